@@ -1,0 +1,106 @@
+"""What one sample of a workload costs: FLOPs, activation bytes, parameter bytes.
+
+Measured, not guessed: the workload runs one forward and backward on PyTorch's
+``meta`` device, so even a model far larger than this machine's memory is
+sized in milliseconds without allocating it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_map
+from torch.utils.data import default_collate
+from torch.utils.flop_counter import FlopCounterMode
+
+from hetero_ray.workloads.base import Workload, WorkloadError
+
+# Adam keeps two fp32 moments per parameter.
+OPTIMIZER_STATE_BYTES_PER_PARAM = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class Footprint:
+    """Per-sample costs of a workload at fp32, measured at ``probe_batch`` samples."""
+
+    param_count: int
+    dataset_samples: int
+    flops_per_sample: float
+    activation_bytes_per_sample: float
+
+    @property
+    def static_bytes(self) -> int:
+        """Weights, gradients and Adam moments, all fp32."""
+        return self.param_count * (4 + 4 + OPTIMIZER_STATE_BYTES_PER_PARAM)
+
+    def memory_bytes(self, micro_batch: int, activation_scale: float = 1.0) -> float:
+        """Peak bytes on one device that runs ``micro_batch`` samples per forward pass."""
+        return self.static_bytes + micro_batch * self.activation_bytes_per_sample * activation_scale
+
+
+def saved_activation_bytes(params: set[int]) -> tuple[dict[int, int], Callable]:
+    """A ``saved_tensors_hooks`` pack hook that records bytes of tensors saved for backward.
+
+    Storages are counted once (views share them); parameters are not activations.
+    Returns the dict it fills (storage key → bytes) and the hook.
+    """
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in params:
+            seen[key] = storage.nbytes()
+        return t
+
+    return seen, pack
+
+
+def _run_once(workload: Workload, batch, model: torch.nn.Module) -> tuple[float, int]:
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen, pack = saved_activation_bytes(params)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as counter:
+        workload.loss_fn(model, batch).backward()
+    model.zero_grad(set_to_none=True)
+    return float(counter.get_total_flops()), sum(seen.values())
+
+
+def measure_footprint(factory: Callable[[], Workload], probe_batch: int = 4) -> Footprint:
+    """Size a workload on the meta device: the factory is called under ``torch.device("meta")``."""
+    with torch.device("meta"):
+        workload = factory()
+    if len(workload.dataset) < probe_batch:
+        raise WorkloadError(
+            f"workload: the dataset has {len(workload.dataset)} samples; at least {probe_batch} are needed"
+        )
+    batch = tree_map(
+        lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t,
+        default_collate([workload.dataset[i] for i in range(probe_batch)]),
+    )
+    flops, act_bytes = _run_once(workload, batch, workload.model)
+    return Footprint(
+        param_count=sum(p.numel() for p in workload.model.parameters()),
+        dataset_samples=len(workload.dataset),
+        flops_per_sample=workload.flops_per_sample or flops / probe_batch,
+        activation_bytes_per_sample=act_bytes / probe_batch,
+    )
+
+
+def cpu_seconds_per_sample(workload: Workload, micro_batch: int, repeats: int = 3) -> float:
+    """Median wall time of one forward+backward per sample on this CPU, single-threaded."""
+    batch = default_collate([workload.dataset[i] for i in range(micro_batch)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            workload.loss_fn(workload.model, batch).backward()
+            times.append(time.perf_counter() - start)
+        workload.model.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
+    return sorted(times[1:])[repeats // 2] / micro_batch

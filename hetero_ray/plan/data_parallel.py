@@ -1,0 +1,148 @@
+"""Weighted data parallelism: split the global batch by speed, micro-batch by memory.
+
+Complexity: O(B log W) for a global batch of B samples over W workers (one heap
+operation per sample), which is instant at any batch a run would use.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+
+from hetero_ray.cluster.catalog import Catalog, GpuSpec
+from hetero_ray.perf.footprint import Footprint
+from hetero_ray.plan.cost import activation_scale, compute_seconds, max_micro_batch
+from hetero_ray.plan.plan import Exclusion, Infeasible, Plan, WorkerRole
+from hetero_ray.train.precision import choose_precision
+
+GiB = 2**30
+
+
+def split_batch(global_batch: int, speeds: Sequence[float]) -> list[int]:
+    """Integer shares of ``global_batch`` minimising the slowest worker's time ``share / speed``.
+
+    Every worker gets at least one sample; each further sample goes to the worker
+    that would finish it first (water-filling), which is optimal for this objective.
+    """
+    if global_batch < len(speeds):
+        raise ValueError(
+            f"train.global_batch: {global_batch} is smaller than the {len(speeds)} workers sharing it; "
+            f"use at least {len(speeds)}"
+        )
+    shares = [1] * len(speeds)
+    heap = [((1 + 1) / s, i) for i, s in enumerate(speeds)]
+    heapq.heapify(heap)
+    for _ in range(global_batch - len(speeds)):
+        _, i = heapq.heappop(heap)
+        shares[i] += 1
+        heapq.heappush(heap, ((shares[i] + 1) / speeds[i], i))
+    return shares
+
+
+def _weights(split: str | Mapping[str, float], specs: Sequence[GpuSpec], speeds: Sequence[float]) -> list[float]:
+    if split == "proportional":
+        return list(speeds)
+    if split == "equal":
+        return [1.0] * len(specs)
+    missing = sorted({s.name for s in specs} - set(split))
+    if missing:
+        raise ValueError(f"train.split: no weight for GPU type(s) {missing}; give one per type in devices")
+    return [float(split[s.name]) for s in specs]
+
+
+def plan_data_parallel(
+    rank_types: Sequence[str],
+    catalog: Catalog,
+    footprint: Footprint,
+    *,
+    global_batch: int,
+    split: str | Mapping[str, float] = "proportional",
+    precision: str = "auto",
+    efficiency: float = 0.4,
+    max_micro: int | None = None,
+    emulated: bool = False,
+) -> Plan | Infeasible:
+    """Plan weighted data parallelism over workers of the given GPU types.
+
+    Speed of a type is its catalog peak at its chosen precision times
+    ``efficiency``; a type whose memory cannot hold one sample is excluded with
+    the reason, and if every type is excluded the result is ``Infeasible``.
+    """
+    specs = [catalog.get(t) for t in rank_types]
+    precisions = [choose_precision(s, precision) for s in specs]
+    fits = [max_micro_batch(s, p, footprint) for s, p in zip(specs, precisions)]
+    usable = [i for i, f in enumerate(fits) if f >= 1]
+    excluded = _exclusions(specs, precisions, fits, footprint)
+    if not usable:
+        worst = max(range(len(specs)), key=lambda i: specs[i].memory_bytes)
+        need = footprint.memory_bytes(1, activation_scale(precisions[worst]))
+        return Infeasible(
+            f"model needs {need / GiB:.1f} GiB per device at micro-batch 1; largest device "
+            f"({specs[worst].name}) has {specs[worst].memory_gib:g} GiB; use a smaller model or more memory"
+        )
+    per_sample = [compute_seconds(specs[i], precisions[i], footprint.flops_per_sample, efficiency) for i in usable]
+    try:
+        weights = _weights(split, [specs[i] for i in usable], [1 / t for t in per_sample])
+        shares = split_batch(global_batch, weights)
+    except ValueError as exc:
+        return Infeasible(str(exc))
+    roles, offset = [], 0
+    for i, share, t in zip(usable, shares, per_sample):
+        cap = min(fits[i], max_micro or fits[i], share)
+        micro = math.ceil(share / math.ceil(share / cap))
+        roles.append(
+            WorkerRole(
+                gpu_type=specs[i].name,
+                local_batch=share,
+                micro_batch=micro,
+                sample_offset=offset,
+                precision=precisions[i],
+                predicted_compute_s=share * t,
+                predicted_memory_bytes=footprint.memory_bytes(micro, activation_scale(precisions[i])),
+                memory_cap_bytes=specs[i].memory_bytes,
+            )
+        )
+        offset += share
+    plan = Plan(
+        global_batch=global_batch,
+        split=split if isinstance(split, str) else "weights",
+        emulated=emulated,
+        roles=tuple(roles),
+        excluded=excluded,
+    )
+    return Plan(**{**plan.__dict__, "explanation": explain(plan)})
+
+
+def _exclusions(specs, precisions, fits, footprint: Footprint) -> tuple[Exclusion, ...]:
+    out: dict[str, Exclusion] = {}
+    for spec, prec, fit in zip(specs, precisions, fits):
+        if fit < 1:
+            need = footprint.memory_bytes(1, activation_scale(prec)) / GiB
+            prev = out.get(spec.name)
+            out[spec.name] = Exclusion(
+                gpu_type=spec.name,
+                count=(prev.count if prev else 0) + 1,
+                reason=f"needs {need:.1f} GiB at micro-batch 1, has {spec.memory_gib:g} GiB",
+            )
+    return tuple(out.values())
+
+
+def explain(plan: Plan) -> str:
+    """Plain-language summary: what each type does and why."""
+    by_type: dict[str, list[WorkerRole]] = {}
+    for role in plan.roles:
+        by_type.setdefault(role.gpu_type, []).append(role)
+    slowest = plan.predicted_step_s
+    lines = [f"{plan.split} split of {plan.global_batch} samples over {len(plan.roles)} workers"]
+    for gpu_type, roles in by_type.items():
+        r = roles[0]
+        lines.append(
+            f"{len(roles)} × {gpu_type} ({r.precision}): {'/'.join(str(x.local_batch) for x in roles)} samples each, "
+            f"micro-batch {r.micro_batch}, busy {r.predicted_compute_s / slowest:.0%} of the step, "
+            f"{r.predicted_memory_bytes / GiB:.2f} of {r.memory_cap_bytes / GiB:g} GiB"
+        )
+    lines += [f"{e.count} × {e.gpu_type} excluded: {e.reason}" for e in plan.excluded]
+    if plan.emulated:
+        lines.append("devices are emulated: times are modelled GPU times, computed on CPU")
+    return "; ".join(lines)

@@ -1,0 +1,100 @@
+"""The Plan: the one contract between planning and execution.
+
+The runtime executes a Plan and never re-derives one; re-planning (after a
+restart on other devices) calls the planner again. Roles are bound to ranks by
+GPU type, not by position, because Ray Train re-orders ranks by node.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerRole:
+    """What one worker does in every step."""
+
+    gpu_type: str
+    local_batch: int
+    micro_batch: int
+    sample_offset: int
+    precision: str
+    predicted_compute_s: float
+    predicted_memory_bytes: float
+    memory_cap_bytes: int
+
+    @property
+    def accumulation_steps(self) -> int:
+        return math.ceil(self.local_batch / self.micro_batch)
+
+    def micro_batches(self) -> list[tuple[int, int]]:
+        """(start, size) of each micro-batch, relative to the global batch."""
+        n = self.accumulation_steps
+        sizes = [self.local_batch // n + (i < self.local_batch % n) for i in range(n)]
+        starts = [self.sample_offset + sum(sizes[:i]) for i in range(n)]
+        return list(zip(starts, sizes))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exclusion:
+    """Workers left without samples on purpose, and why."""
+
+    gpu_type: str
+    count: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A data-parallel plan: one role per worker, shares summing to the global batch."""
+
+    global_batch: int
+    split: str
+    emulated: bool
+    roles: tuple[WorkerRole, ...]
+    excluded: tuple[Exclusion, ...] = ()
+    explanation: str = ""
+    schema: int = field(default=1)
+
+    @property
+    def predicted_step_s(self) -> float:
+        """Slowest worker's modelled compute time (communication not yet priced)."""
+        return max(r.predicted_compute_s for r in self.roles)
+
+    def roles_for(self, rank_types: Sequence[str]) -> list[WorkerRole | None]:
+        """Bind roles to ranks: the k-th worker of a type gets the k-th role of that type.
+
+        A rank whose type has no role left (excluded on purpose) gets ``None``.
+        """
+        pools: dict[str, list[WorkerRole]] = {}
+        for role in self.roles:
+            pools.setdefault(role.gpu_type, []).append(role)
+        return [pools[t].pop(0) if pools.get(t) else None for t in rank_types]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        return cls(
+            **{k: v for k, v in data.items() if k not in ("roles", "excluded")},
+            roles=tuple(WorkerRole(**r) for r in data["roles"]),
+            excluded=tuple(Exclusion(**e) for e in data.get("excluded", ())),
+        )
+
+
+class PlanError(RuntimeError):
+    """No plan fits the devices: raised where a caller needs a plan and the planner said ``Infeasible``."""
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    """No plan exists; ``reason`` is one line saying why and what to try."""
+
+    reason: str

@@ -1,0 +1,64 @@
+"""The contract between a user's model and the runtime, and how a name resolves to one."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """What the runtime needs from a model: the module, its loss and its data.
+
+    ``loss_fn(model, batch)`` returns the *mean* loss over the batch; the runtime
+    weights it by the batch's share of the global batch. ``dataset[i]`` returns
+    one sample; batches are built with ``torch.utils.data.default_collate``.
+    ``flops_per_sample`` (forward + backward) drives emulated timing and the
+    planner; when ``None`` the runtime counts it with torch's FLOP counter.
+    """
+
+    model: torch.nn.Module
+    loss_fn: LossFn
+    dataset: Dataset
+    flops_per_sample: float | None = None
+
+
+class WorkloadError(ValueError):
+    """A workload name that does not resolve, or a factory that returns the wrong thing."""
+
+
+BUILTIN = {"gpt": "hetero_ray.workloads.gpt:build"}
+
+
+def build_workload(name: str, options: Mapping[str, Any]) -> Workload:
+    """Build the workload ``name`` (a built-in name or ``module:function``) with ``options``.
+
+    The factory is called as ``function(**options)`` and must return a ``Workload``.
+    """
+    target = BUILTIN.get(name, name)
+    if ":" not in target:
+        raise WorkloadError(
+            f"workload.name: unknown workload '{name}'; use one of {sorted(BUILTIN)} "
+            "or 'module:function' returning a hetero_ray Workload"
+        )
+    module_name, _, attr = target.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise WorkloadError(f"workload.name: cannot load '{target}': {exc}") from exc
+    try:
+        workload = factory(**options)
+    except (TypeError, ValueError) as exc:
+        raise WorkloadError(f"workload.options: {target} rejected the options: {exc}") from exc
+    if not isinstance(workload, Workload):
+        raise WorkloadError(
+            f"workload.name: '{target}' returned {type(workload).__name__}, expected hetero_ray.workloads.Workload"
+        )
+    return workload

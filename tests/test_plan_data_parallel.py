@@ -1,0 +1,254 @@
+"""Data-parallel planning: batch split, micro-batches by memory, exclusions, role binding, cost terms."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from hetero_ray.cluster.catalog import GPUS_ENV_VAR, Catalog, load_catalog
+from hetero_ray.perf.footprint import Footprint
+from hetero_ray.plan.cost import activation_scale, compute_seconds, max_micro_batch
+from hetero_ray.plan.data_parallel import plan_data_parallel, split_batch
+from hetero_ray.plan.plan import Infeasible, Plan, WorkerRole
+
+GiB = 2**30
+A100, V100 = "A100-80GB", "V100-16GB"
+MIX = [A100, A100, V100, V100, V100, V100]
+
+# Weights, gradients and Adam state take 16 bytes per parameter: 2**26 parameters are exactly 1 GiB.
+ONE_GIB_OF_PARAMS = 2**26
+# Memory never limits this one: micro-batches equal the shares.
+SMALL = Footprint(param_count=1000, dataset_samples=10_000, flops_per_sample=1e9, activation_bytes_per_sample=1000.0)
+
+
+def footprint(activation_gib_fp32: float) -> Footprint:
+    """1 GiB of static state and ``activation_gib_fp32`` GiB of fp32 activations per sample."""
+    return Footprint(
+        param_count=ONE_GIB_OF_PARAMS,
+        dataset_samples=10_000,
+        flops_per_sample=1e9,
+        activation_bytes_per_sample=activation_gib_fp32 * GiB,
+    )
+
+
+@pytest.fixture(scope="module")
+def catalog() -> Catalog:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(GPUS_ENV_VAR, raising=False)
+        return load_catalog()
+
+
+def plan_of(catalog: Catalog, rank_types, fp: Footprint, **kwargs) -> Plan:
+    plan = plan_data_parallel(rank_types, catalog, fp, **kwargs)
+    assert isinstance(plan, Plan), plan
+    return plan
+
+
+def slowest(shares, speeds) -> float:
+    return max(b / s for b, s in zip(shares, speeds))
+
+
+# --- split_batch ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+@pytest.mark.parametrize("seed", range(8))
+def test_split_batch_is_optimal_against_brute_force(workers: int, seed: int) -> None:
+    rng = random.Random(seed)
+    speeds = [rng.uniform(0.1, 10.0) for _ in range(workers)]
+    for batch in range(workers, 13):
+        shares = split_batch(batch, speeds)
+        assert sum(shares) == batch and min(shares) >= 1
+        best = min(
+            slowest([*head, batch - sum(head)], speeds)
+            for head in itertools.product(range(1, batch + 1), repeat=workers - 1)
+            if batch - sum(head) >= 1
+        )
+        assert slowest(shares, speeds) == best, (batch, speeds, shares)
+
+
+def test_split_batch_rejects_fewer_samples_than_workers() -> None:
+    with pytest.raises(ValueError, match="smaller than the 3 workers"):
+        split_batch(2, [1.0, 2.0, 3.0])
+
+
+# --- how the global batch is shared -------------------------------------------------------
+
+
+def test_proportional_split_follows_peak_flops(catalog: Catalog) -> None:
+    # A100 bf16 312 vs V100 fp16 125 TFLOP/s: 20/312 ≈ 0.0641 and 8/125 = 0.064; one more sample
+    # on either type (21/312 or 9/125) would be slower, and 2·20 + 4·8 = 72.
+    plan = plan_of(catalog, MIX, SMALL, global_batch=72)
+    assert [r.local_batch for r in plan.roles] == [20, 20, 8, 8, 8, 8]
+    assert [r.sample_offset for r in plan.roles] == [0, 20, 40, 48, 56, 64]
+    assert [r.precision for r in plan.roles] == ["bf16", "bf16", "fp16", "fp16", "fp16", "fp16"]
+    assert [r.micro_batch for r in plan.roles] == [20, 20, 8, 8, 8, 8]
+    # Slowest: an A100 with 20 samples of 1e9 FLOPs at 312e12 × 0.4 FLOP/s.
+    assert plan.predicted_step_s == pytest.approx(20e9 / 124.8e12, rel=1e-12)
+    assert plan.split == "proportional" and not plan.excluded
+
+
+def test_equal_split(catalog: Catalog) -> None:
+    plan = plan_of(catalog, MIX, SMALL, global_batch=72, split="equal")
+    assert [r.local_batch for r in plan.roles] == [12] * 6
+
+
+def test_explicit_weights_per_type(catalog: Catalog) -> None:
+    plan = plan_of(catalog, [A100, A100, V100, V100], SMALL, global_batch=12, split={A100: 2, V100: 1})
+    assert [r.local_batch for r in plan.roles] == [4, 4, 2, 2]
+    assert plan.split == "weights"
+
+
+def test_missing_weight_is_infeasible_naming_the_type(catalog: Catalog) -> None:
+    result = plan_data_parallel([A100, V100], catalog, SMALL, global_batch=12, split={A100: 2})
+    assert isinstance(result, Infeasible)
+    assert V100 in result.reason
+
+
+def test_batch_smaller_than_workers_is_infeasible(catalog: Catalog) -> None:
+    result = plan_data_parallel([A100, V100], catalog, SMALL, global_batch=1)
+    assert isinstance(result, Infeasible)
+    assert "smaller than the 2 workers" in result.reason
+
+
+# --- micro-batches by memory --------------------------------------------------------------
+
+
+def test_micro_batch_is_limited_by_memory(catalog: Catalog) -> None:
+    # 10 GiB/sample at fp32 is 5 GiB in bf16/fp16; 1 GiB is static.
+    # A100: 79 GiB free → 15 fit; share 20 → 2 passes of 10.
+    # V100: 15 GiB free → 3 fit; share 8 → 3 passes of 3, 3, 2.
+    plan = plan_of(catalog, MIX, footprint(10), global_batch=72)
+    a100, v100 = plan.roles[0], plan.roles[2]
+    assert (a100.local_batch, a100.micro_batch, a100.accumulation_steps) == (20, 10, 2)
+    assert (v100.local_batch, v100.micro_batch, v100.accumulation_steps) == (8, 3, 3)
+    assert [size for _, size in v100.micro_batches()] == [3, 3, 2]
+    assert a100.predicted_memory_bytes == 51 * GiB
+    assert v100.predicted_memory_bytes == 16 * GiB == v100.memory_cap_bytes
+
+
+def test_max_micro_caps_the_micro_batch(catalog: Catalog) -> None:
+    plan = plan_of(catalog, [A100, V100], SMALL, global_batch=12, max_micro=2)
+    assert [(r.local_batch, r.micro_batch) for r in plan.roles] == [(9, 2), (3, 2)]
+
+
+@pytest.mark.parametrize("local_batch", range(1, 25))
+def test_micro_batches_cover_the_share_exactly(local_batch: int) -> None:
+    for micro in range(1, local_batch + 1):
+        role = WorkerRole(
+            gpu_type=A100,
+            local_batch=local_batch,
+            micro_batch=micro,
+            sample_offset=7,
+            precision="bf16",
+            predicted_compute_s=1.0,
+            predicted_memory_bytes=1.0,
+            memory_cap_bytes=1,
+        )
+        parts = role.micro_batches()
+        covered = [i for start, size in parts for i in range(start, start + size)]
+        assert covered == list(range(7, 7 + local_batch))
+        sizes = [size for _, size in parts]
+        assert max(sizes) - min(sizes) <= 1 and max(sizes) <= micro
+
+
+def test_micro_batches_of_a_planned_role(catalog: Catalog) -> None:
+    role = plan_of(catalog, MIX, footprint(10), global_batch=72).roles[3]
+    assert role.micro_batches() == [(48, 3), (51, 3), (54, 2)]
+
+
+# --- exclusion and infeasibility ----------------------------------------------------------
+
+
+def test_type_that_cannot_hold_one_sample_is_excluded(catalog: Catalog) -> None:
+    # 40 GiB/sample at fp32 → 20 GiB half-width + 1 GiB static = 21 GiB: no V100-16GB fits one;
+    # an A100-80GB fits 79 // 20 = 3 per pass, and the two carry 36 samples each.
+    plan = plan_of(catalog, MIX, footprint(40), global_batch=72)
+    assert [(r.gpu_type, r.local_batch, r.micro_batch) for r in plan.roles] == [(A100, 36, 3), (A100, 36, 3)]
+    [excluded] = plan.excluded
+    assert (excluded.gpu_type, excluded.count) == (V100, 4)
+    assert "21.0 GiB" in excluded.reason and "16 GiB" in excluded.reason
+    assert V100 in plan.explanation and "excluded" in plan.explanation
+
+
+def test_all_types_excluded_is_infeasible_naming_the_largest_device(catalog: Catalog) -> None:
+    # 200 GiB/sample at fp32 → 100 GiB in bf16, + 1 GiB static = 101 GiB > 80 GiB.
+    result = plan_data_parallel([V100, A100], catalog, footprint(200), global_batch=8)
+    assert isinstance(result, Infeasible)
+    assert "\n" not in result.reason
+    assert "101.0 GiB" in result.reason
+    assert f"({A100}) has 80 GiB" in result.reason
+
+
+# --- the Plan contract ---------------------------------------------------------------------
+
+
+def test_roles_are_bound_by_type_not_position(catalog: Catalog) -> None:
+    plan = plan_of(catalog, [A100, A100, V100, V100], SMALL, global_batch=12, split={A100: 2, V100: 1})
+    a1, a2, v1, v2 = plan.roles
+    bound = plan.roles_for([V100, A100, V100, A100])
+    assert [id(r) for r in bound] == [id(v1), id(a1), id(v2), id(a2)]
+
+
+def test_extra_rank_of_an_excluded_type_gets_no_role(catalog: Catalog) -> None:
+    plan = plan_of(catalog, [A100, V100, A100], footprint(40), global_batch=8)
+    a1, a2 = plan.roles
+    bound = plan.roles_for([V100, A100, A100, V100])
+    assert bound[0] is None and bound[3] is None
+    assert bound[1] is a1 and bound[2] is a2
+
+
+@pytest.mark.parametrize("split", ["proportional", {A100: 3, V100: 1}])
+def test_plan_round_trips_through_json(catalog: Catalog, split) -> None:
+    plan = plan_of(catalog, [A100, V100, V100, A100], footprint(12), global_batch=40, split=split, emulated=True)
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
+
+
+def test_excluded_plan_round_trips_through_json(catalog: Catalog) -> None:
+    plan = plan_of(catalog, MIX, footprint(40), global_batch=72)
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
+
+
+# --- cost terms, on hand-worked values ----------------------------------------------------
+
+
+def test_compute_seconds(catalog: Catalog) -> None:
+    assert compute_seconds(catalog.get(A100), "bf16", 1e12, 0.5) == pytest.approx(1 / 156, rel=1e-12)
+    assert compute_seconds(catalog.get(V100), "fp16", 1e12, 0.4) == pytest.approx(0.02, rel=1e-12)
+    assert compute_seconds(catalog.get(V100), "fp32", 15.7e12, 1.0) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_compute_seconds_rejects_a_precision_the_card_lacks(catalog: Catalog) -> None:
+    with pytest.raises(ValueError, match="no bf16 peak"):
+        compute_seconds(catalog.get(V100), "bf16", 1e12, 0.5)
+
+
+@pytest.mark.parametrize(("precision", "scale"), [("bf16", 0.5), ("fp16", 0.5), ("fp32", 1.0), ("tf32", 1.0)])
+def test_activation_scale(precision: str, scale: float) -> None:
+    assert activation_scale(precision) == scale
+
+
+@pytest.mark.parametrize(
+    ("gpu", "precision", "fp", "expected"),
+    [
+        (V100, "fp16", footprint(2), 15),  # 15 GiB free / 1 GiB per sample
+        (V100, "fp32", footprint(2), 7),  # 15 GiB free / 2 GiB per sample
+        (A100, "bf16", footprint(2), 79),  # 79 GiB free / 1 GiB per sample
+        (V100, "fp16", footprint(30), 1),  # 15 GiB per sample fills the 15 GiB free exactly once
+        (V100, "fp16", footprint(30.5), 0),  # 15.25 GiB per sample > 15 GiB free
+        # No activations, but the static state alone is a byte over 16 GiB.
+        (
+            V100,
+            "fp32",
+            Footprint(
+                param_count=2**30 + 1, dataset_samples=10_000, flops_per_sample=1.0, activation_bytes_per_sample=0.0
+            ),
+            0,
+        ),
+    ],
+)
+def test_max_micro_batch(catalog: Catalog, gpu: str, precision: str, fp: Footprint, expected: int) -> None:
+    assert max_micro_batch(catalog.get(gpu), precision, fp) == expected
