@@ -1,0 +1,194 @@
+"""`hetero-ray`: discover the cluster's GPUs, run the emulated demo, or train from a config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from hetero_ray.cluster.catalog import CatalogError, UnknownGpuType
+from hetero_ray.config import ConfigError, RunConfig, load_config
+from hetero_ray.plan.plan import PlanError
+from hetero_ray.workloads import WorkloadError
+
+# Bad input: one line on stderr and exit code 2, never a traceback.
+USER_ERRORS = (ConfigError, CatalogError, UnknownGpuType, WorkloadError, PlanError)
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+
+
+def write_json_atomically(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON so that readers see the old file or the whole new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _finish(result, args, console: Console) -> None:
+    from hetero_ray.train.summary import render, summarise
+
+    out = {**result.to_dict(), "summary": summarise(result.metrics, result.dilation)}
+    if args.output:
+        write_json_atomically(Path(args.output), out)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        render(result.metrics, result.dilation, console)
+
+
+def cmd_train(args: argparse.Namespace, console: Console) -> int:
+    """Train on the Ray cluster this process reaches (``ray job submit`` sets the address)."""
+    from hetero_ray.train.prepare import prepare
+
+    cfg = load_config(args.config)
+    prepared = prepare(cfg)
+    import ray
+
+    from hetero_ray.train.trainer import run_training
+
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=args.verbose)
+    try:
+        result = run_training(cfg, prepared)
+    finally:
+        ray.shutdown()
+    _finish(result, args, console)
+    return 0
+
+
+def _demo_config(args: argparse.Namespace) -> RunConfig:
+    train = {"duration_s": args.duration} if args.duration else {}
+    cfg = load_config(args.config, {"train": train})
+    # A fresh run name each time: the demo never resumes an older demo.
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"demo-{time.strftime('%Y%m%d-%H%M%S')}"})})
+
+
+def cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    """Start the emulated cluster, train on it with a live progress display, print the summary."""
+    from hetero_ray.cluster.emulation import EmulatedCluster
+
+    cfg = _demo_config(args)
+    if cfg.emulation is None:
+        raise ConfigError(f"{args.config}: the demo needs an 'emulation' section")
+    cluster = EmulatedCluster(cfg.devices, gpus_per_node=cfg.emulation.gpus_per_node)
+    # Ray reads its authentication mode once, at import: the token must be in the
+    # environment before `import ray` in this process.
+    os.environ.update(cluster.env)
+    import ray
+    from ray.util.queue import Empty, Queue
+
+    from hetero_ray.train.prepare import prepare
+    from hetero_ray.train.trainer import run_training
+
+    prepared = prepare(cfg)
+    console.print(f"[bold]plan[/bold] (emulated): {prepared.plan.explanation}")
+    try:
+        with console.status("starting the emulated cluster (one Ray raylet per emulated node)…"):
+            cluster.start()
+        ray.init(address=cluster.address, log_to_driver=args.verbose)
+        console.print(f"emulated cluster up: {dict(cfg.devices)}; dashboard {cluster.dashboard_url}")
+        queue = Queue(actor_options={"num_cpus": 0})
+        outcome: dict[str, Any] = {}
+
+        def fit() -> None:
+            try:
+                outcome["result"] = run_training(cfg, prepared, progress=queue)
+            except BaseException as exc:  # re-raised in the main thread
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=fit, daemon=True)
+        thread.start()
+        total = cfg.train.duration_s or cfg.train.steps
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as bar:
+            task = bar.add_task("starting workers…", total=total)
+            while thread.is_alive():
+                try:
+                    m = queue.get(timeout=1)
+                except Empty:
+                    continue
+                done = m["elapsed_s"] if cfg.train.duration_s else m["step"] + 1
+                bar.update(
+                    task,
+                    completed=min(done, total),
+                    description=(
+                        f"step {m['step'] + 1} loss {m['loss']:.3f} {m['samples_per_s']:.1f} samples/s (emulated)"
+                    ),
+                )
+        if "error" in outcome:
+            raise outcome["error"]
+        _finish(outcome["result"], args, console)
+    finally:
+        ray.shutdown()
+        cluster.stop()
+    return 0
+
+
+def cmd_discover(args: argparse.Namespace, console: Console) -> int:
+    """NVML on every node of a live cluster, as a table or JSON."""
+    import ray
+
+    from hetero_ray.cluster.catalog import load_catalog
+    from hetero_ray.cluster.discovery import discover, render_table, reports_to_json, unknown_gpu_message
+
+    catalog = load_catalog(args.gpus)
+    ray.init(address=args.address or os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+    try:
+        reports = discover(catalog)
+    finally:
+        ray.shutdown()
+    if args.json:
+        print(json.dumps(reports_to_json(reports)))
+    else:
+        render_table(reports, console)
+    message = unknown_gpu_message(reports)
+    if message:
+        print(f"hetero-ray: {message}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hetero-ray", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train from a config on the connected Ray cluster")
+    demo = sub.add_parser("demo", help="train on an emulated 2 × A100 + 4 × V100 cluster on this machine")
+    for p in (train, demo):
+        p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+        p.add_argument("--output", help="also write the result JSON to this file")
+        p.add_argument("--verbose", action="store_true", help="show the workers' logs")
+    train.add_argument("--config", required=True, help="run config YAML (see configs/)")
+    train.set_defaults(func=cmd_train)
+    demo.add_argument("--config", default=str(DEFAULT_CONFIG), help="run config YAML with an emulation section")
+    demo.add_argument("--duration", type=float, help="seconds to train (default: the config's train.duration_s)")
+    demo.set_defaults(func=cmd_demo)
+
+    discover = sub.add_parser("discover", help="list the GPUs on every node of a live cluster")
+    discover.add_argument("--address", help="Ray address (default: RAY_ADDRESS or a local cluster)")
+    discover.add_argument("--gpus", help="YAML of extra GPU types to recognise")
+    discover.add_argument("--json", action="store_true")
+    discover.set_defaults(func=cmd_discover)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `hetero-ray` console script and of `jobs/`."""
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=args.json if hasattr(args, "json") else False)
+    try:
+        return args.func(args, console)
+    except USER_ERRORS as exc:
+        print(f"hetero-ray: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

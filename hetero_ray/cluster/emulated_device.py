@@ -1,0 +1,80 @@
+"""An emulated GPU: real computation on CPU, padded to the type's modelled time, under its memory cap.
+
+Relative speeds come from the catalog (peak FLOP/s at the device's precision
+times one efficiency); ``dilation`` stretches every modelled time so that it
+exceeds what this CPU really needs, which is what makes padding possible.
+Memory is enforced on what the step really saves for backward, measured with
+autograd's saved-tensor hooks, so an emulated OOM is a measured one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from hetero_ray.cluster.catalog import GpuSpec
+from hetero_ray.perf.footprint import saved_activation_bytes
+from hetero_ray.plan.cost import activation_scale, compute_seconds
+
+GiB = 2**30
+
+
+class EmulatedOOM(torch.OutOfMemoryError):
+    """The emulated device's memory cap was exceeded (caught like a CUDA OOM)."""
+
+
+@dataclass(kw_only=True)
+class EmulatedDevice:
+    """One emulated GPU of type ``spec`` as seen by the worker that drives it."""
+
+    spec: GpuSpec
+    precision: str
+    flops_per_sample: float
+    efficiency: float
+    dilation: float
+    overrun_steps: int = field(default=0, init=False)
+
+    def modelled_seconds(self, samples: int) -> float:
+        """Wall time this step's compute is padded to: the GPU's modelled time × dilation."""
+        return self.dilation * compute_seconds(
+            self.spec, self.precision, samples * self.flops_per_sample, self.efficiency
+        )
+
+    def pad(self, started: float, samples: int) -> float:
+        """Sleep until the step that began at ``started`` has taken its modelled time.
+
+        Returns the modelled time. When the CPU was slower than the model, the step
+        is not padded and ``overrun_steps`` counts it: the figure is then not the
+        emulated GPU's, and reports say so.
+        """
+        target = started + self.modelled_seconds(samples)
+        remaining = target - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        else:
+            self.overrun_steps += 1
+        return target - started
+
+    @contextmanager
+    def memory_cap(self, model: torch.nn.Module, static_bytes: int) -> Iterator[None]:
+        """Raise ``EmulatedOOM`` when weights, optimizer state and saved activations exceed the type's memory."""
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        seen, record = saved_activation_bytes(params)
+        scale = activation_scale(self.precision)
+        cap = self.spec.memory_bytes
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            record(t)
+            used = static_bytes + scale * sum(seen.values())
+            if used > cap:
+                raise EmulatedOOM(
+                    f"emulated {self.spec.name} out of memory: {used / GiB:.2f} GiB needed, {cap / GiB:g} GiB available"
+                )
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield

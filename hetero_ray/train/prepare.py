@@ -1,0 +1,95 @@
+"""Everything decided before launch: validate the run against the catalog and the workload, plan it, calibrate emulation.
+
+Nothing here touches Ray, so bad input is rejected in seconds, before any cluster is reached.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hetero_ray.cluster.catalog import Catalog, load_catalog
+from hetero_ray.config import ConfigError, RunConfig
+from hetero_ray.perf.footprint import Footprint, cpu_seconds_per_sample, measure_footprint
+from hetero_ray.plan.data_parallel import plan_data_parallel
+from hetero_ray.plan.plan import Infeasible, Plan, PlanError
+from hetero_ray.workloads import build_workload
+
+# Modelled step times are stretched to this multiple of what the CPU needs, so
+# that padding (not CPU contention) sets every emulated step time.
+DILATION_HEADROOM = 3.0
+# Speed of a type = catalog peak at its precision × this, until profiles say better.
+DEFAULT_EFFICIENCY = 0.4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """Everything decided before launch: the catalog, the workload's footprint, the plan, the emulation."""
+
+    catalog: Catalog
+    footprint: Footprint
+    plan: Plan
+    efficiency: float
+    dilation: float | None
+
+
+def _workload_factory(cfg: RunConfig):
+    def factory():
+        torch.manual_seed(cfg.train.seed)
+        return build_workload(cfg.workload.name, cfg.workload.options)
+
+    return factory
+
+
+def rank_types(cfg: RunConfig) -> list[str]:
+    """One GPU type per worker, in the config's order (the label selector list)."""
+    return [t for t, n in cfg.devices.items() for _ in range(n)]
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    """Validate the run against the catalog and the workload, and plan it; raise on bad input."""
+    catalog = load_catalog(cfg.gpus_file)
+    for name in cfg.devices:
+        if name not in catalog:
+            raise ConfigError(f"devices: unknown GPU type '{name}'; known: {', '.join(catalog.names())}")
+    footprint = measure_footprint(_workload_factory(cfg))
+    if footprint.dataset_samples < cfg.train.global_batch:
+        raise ConfigError(
+            f"train.global_batch: {cfg.train.global_batch} is more than the workload's {footprint.dataset_samples} "
+            "samples; use a smaller batch or more data"
+        )
+    efficiency = cfg.emulation.efficiency if cfg.emulation else DEFAULT_EFFICIENCY
+    plan = plan_data_parallel(
+        rank_types(cfg),
+        catalog,
+        footprint,
+        global_batch=cfg.train.global_batch,
+        split=cfg.train.split,
+        precision=cfg.train.precision,
+        efficiency=efficiency,
+        max_micro=cfg.train.max_micro_batch,
+        emulated=cfg.emulation is not None,
+    )
+    if isinstance(plan, Infeasible):
+        raise PlanError(plan.reason)
+    dilation = None
+    if cfg.emulation is not None:
+        dilation = cfg.emulation.dilation
+        if dilation == "auto":
+            dilation = calibrate_dilation(cfg, plan)
+    return Prepared(catalog=catalog, footprint=footprint, plan=plan, efficiency=efficiency, dilation=dilation)
+
+
+def calibrate_dilation(cfg: RunConfig, plan: Plan) -> float:
+    """A dilation that makes the fastest emulated device's modelled time ``DILATION_HEADROOM`` × the CPU's.
+
+    The CPU's time is one timed forward+backward per sample, times the number of
+    workers per core (they share this machine).
+    """
+    workload = _workload_factory(cfg)()
+    cpu = cpu_seconds_per_sample(workload, min(r.micro_batch for r in plan.roles))
+    contention = max(1.0, cfg.num_workers / (os.cpu_count() or 1))
+    fastest = min(r.predicted_compute_s / r.local_batch for r in plan.roles)
+    return DILATION_HEADROOM * cpu * contention / fastest
