@@ -1,0 +1,192 @@
+"""End to end on a real emulated cluster: `ray job submit` of jobs/train.py, split invariance, resume.
+
+One Ray cluster for the module: a head plus labelled raylets for 2 × A100-80GB
+and 2 × V100-16GB (emulated), started with `ray start` and token authentication.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hetero_ray.cluster.emulation import EmulatedCluster
+from hetero_ray.train.data import GlobalBatches, collate
+from hetero_ray.workloads import build_workload
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 20
+WORKLOAD = {
+    "name": "gpt",
+    "options": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "corpus_bytes": 200_000},
+}
+
+
+def run_config(storage: Path, name: str) -> dict:
+    """2 fast + 2 slow workers with a 2:1 split, fp32, fixed seed."""
+    return {
+        "devices": {"A100-80GB": 2, "V100-16GB": 2},
+        # Slow enough (about 0.3 s a step) that a run can be stopped between checkpoints.
+        "emulation": {"dilation": 150_000},
+        "workload": WORKLOAD,
+        "train": {
+            "global_batch": 12,
+            "steps": STEPS,
+            "lr": 1e-3,
+            "seed": 7,
+            "precision": "fp32",
+            "split": {"A100-80GB": 2, "V100-16GB": 1},
+            "checkpoint_every": 5,
+            "report_every": 5,
+        },
+        "run": {"name": name, "storage_path": str(storage)},
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with EmulatedCluster({"A100-80GB": 2, "V100-16GB": 2}, gpus_per_node=2) as c:
+        yield c
+
+
+def ray_cli(cluster: EmulatedCluster, *args: str, timeout: float = 60) -> str:
+    out = subprocess.run(["ray", *args], env=cluster.env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def submit(cluster: EmulatedCluster, tmp: Path, cfg: dict) -> tuple[str, Path]:
+    """`ray job submit --no-wait` of jobs/train.py; returns (submission id, result path)."""
+    cfg_path, out_path = tmp / f"{cfg['run']['name']}.yaml", tmp / f"{cfg['run']['name']}-{uuid.uuid4().hex[:6]}.json"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    job_id = f"test-{uuid.uuid4().hex[:8]}"
+    ray_cli(
+        cluster,
+        "job",
+        "submit",
+        "--no-wait",
+        "--submission-id",
+        job_id,
+        "--",
+        sys.executable,
+        str(REPO / "jobs" / "train.py"),
+        "--config",
+        str(cfg_path),
+        "--output",
+        str(out_path),
+    )
+    return job_id, out_path
+
+
+def job_status(cluster: EmulatedCluster, job_id: str) -> str:
+    """The job's status, from what `ray job status` prints for running and for finished jobs."""
+    out = ray_cli(cluster, "job", "status", job_id)
+    words = {"succeeded": "SUCCEEDED", "was stopped": "STOPPED", "failed": "FAILED"}
+    found = re.search(rf"Status for job '{job_id}': (\w+)|Job '{job_id}' (succeeded|was stopped|failed)", out)
+    assert found, out
+    return found.group(1) or words[found.group(2)]
+
+
+def wait_for(cluster: EmulatedCluster, job_id: str, timeout: float = 300) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = job_status(cluster, job_id)
+        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            return status
+        time.sleep(2)
+    raise TimeoutError(f"job {job_id} still not finished after {timeout} s")
+
+
+def final_params(result: dict) -> dict[str, torch.Tensor]:
+    return torch.load(Path(result["checkpoint_path"]) / "model.pt")
+
+
+def single_process_reference() -> dict[str, torch.Tensor]:
+    """One process, full global batch every step: what every split must reproduce."""
+    cfg = run_config(Path("/unused"), "reference")["train"]
+    torch.manual_seed(cfg["seed"])
+    workload = build_workload(WORKLOAD["name"], WORKLOAD["options"])
+    opt = torch.optim.AdamW(workload.model.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    batches = GlobalBatches(len(workload.dataset), cfg["global_batch"], cfg["seed"])
+    for step in range(STEPS):
+        workload.loss_fn(workload.model, collate(workload.dataset, batches.indices(step))).backward()
+        opt.step()
+        opt.zero_grad()
+    return workload.model.state_dict()
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    job_id, out = submit(cluster, tmp, run_config(tmp / "runs", "uninterrupted"))
+    status = wait_for(cluster, job_id)
+    assert status == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_job_submit_reports_result(uninterrupted):
+    """The submitted job succeeded and its result names loss and per-device throughput, labelled emulated."""
+    m = uninterrupted["metrics"]
+    assert m["emulated"] is True
+    assert m["step"] == STEPS - 1
+    losses = [loss for _, loss in m["losses"]]
+    assert losses[-1] < losses[0]
+    shares = sorted((d["gpu_type"], d["local_batch"]) for d in m["devices"])
+    assert shares == [("A100-80GB", 4), ("A100-80GB", 4), ("V100-16GB", 2), ("V100-16GB", 2)]
+    assert all(d["samples_per_s"] > 0 and d["precision"] == "fp32" for d in m["devices"])
+    assert uninterrupted["summary"]["samples_per_s"] > 0
+
+
+def test_split_invariance(uninterrupted):
+    """2 fast + 2 slow workers at 2:1 end where one process on the full batch ends (fp32, 20 steps)."""
+    assert max_abs_diff(final_params(uninterrupted), single_process_reference()) <= 1e-5
+
+
+def test_resume_after_stop(cluster, tmp_path, uninterrupted):
+    """A run stopped after a checkpoint resumes from it, not from 0, and ends where the uninterrupted run ends."""
+    cfg = run_config(tmp_path / "runs", "resumed")
+    job_id, _ = submit(cluster, tmp_path, cfg)
+    snapshot = tmp_path / "runs" / "resumed" / "checkpoint_manager_snapshot.json"
+    deadline = time.monotonic() + 240
+    while not snapshot.exists() and time.monotonic() < deadline:
+        assert job_status(cluster, job_id) in ("PENDING", "RUNNING")
+        time.sleep(0.5)
+    ray_cli(cluster, "job", "stop", job_id)
+    assert wait_for(cluster, job_id) == "STOPPED", "the run finished before it could be stopped"
+
+    job_id, out = submit(cluster, tmp_path, cfg)
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    resumed = json.loads(out.read_text())
+    assert resumed["metrics"]["resumed_from_step"] > 0
+    assert resumed["metrics"]["step"] == STEPS - 1
+    assert max_abs_diff(final_params(resumed), final_params(uninterrupted)) <= 1e-5
+
+
+def test_discover_cli_labels_emulated_nodes(cluster):
+    """`hetero-ray discover --json` on the live cluster: every node reported, emulated GPUs said so, no crash without NVML."""
+    out = subprocess.run(
+        [sys.executable, "-m", "hetero_ray.cli", "discover", "--json"],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    reports = json.loads(out.stdout.strip().splitlines()[-1])
+    emulated = sorted((r["emulated_gpu_type"], r["emulated_gpu_count"]) for r in reports if r["emulated_gpu_type"])
+    assert emulated == [("A100-80GB", 2), ("V100-16GB", 2)]
+    assert len(reports) == 3
+    assert all(not r["gpus"] and "no NVIDIA GPU" in r["error"] for r in reports)
