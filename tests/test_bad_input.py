@@ -83,7 +83,7 @@ CASES = [
     ),
     pytest.param(
         lambda d: config(train__global_batch=1),
-        rr"train\.global_batch: 1 is smaller than the 2 workers",
+        r"train\.global_batch: 1 is smaller than the 2 workers",
         id="batch-smaller-than-workers",
     ),
     pytest.param(
