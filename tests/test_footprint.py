@@ -65,9 +65,9 @@ def test_huge_gpt_is_sized_without_allocating() -> None:
     assert time.perf_counter() - start < 10.0
     # Its fp32 weights alone are 155 GB; the process's peak memory grew by less than 1 GiB.
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_rss_kib < 2**20
-    # Per block: LayerNorms 2·2C, qkv 3C²+3C, proj C²+C, MLP 4C²+4C + 4C²+C → 12C² + 13C.
+    # Per block: LayerNorms 2·2C, qkv 3C² (no bias), proj C²+C, MLP 4C²+4C + 4C²+C → 12C² + 10C.
     # Plus token and position embeddings V·C and T·C, final LayerNorm 2C, head V·C (no bias).
-    assert fp.param_count == L * (12 * C * C + 13 * C) + V * C + T * C + 2 * C + V * C == 38_680_805_376
+    assert fp.param_count == L * (12 * C * C + 10 * C) + V * C + T * C + 2 * C + V * C == 38_679_625_728
     # Linear weights: 6 FLOPs per weight per token (forward, grad input, grad weight); attention:
     # QKᵀ and AV at 2·T²·C each forward (the counter does not discount the causal mask), ×3 with backward.
     linear_weights = L * 12 * C * C + V * C
