@@ -30,6 +30,8 @@ class Footprint:
     dataset_samples: int
     flops_per_sample: float
     activation_bytes_per_sample: float
+    # Sizes of the parameter tensors: 1-bit compression works tensor by tensor.
+    param_numels: tuple[int, ...] = ()
 
     @property
     def static_bytes(self) -> int:
@@ -83,6 +85,7 @@ def measure_footprint(factory: Callable[[], Workload], probe_batch: int = 4) -> 
     flops, act_bytes = _run_once(workload, batch, workload.model)
     return Footprint(
         param_count=sum(p.numel() for p in workload.model.parameters()),
+        param_numels=tuple(p.numel() for p in workload.model.parameters()),
         dataset_samples=len(workload.dataset),
         flops_per_sample=workload.flops_per_sample or flops / probe_batch,
         activation_bytes_per_sample=act_bytes / probe_batch,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 from hetero_ray.cluster.catalog import GpuSpec
 from hetero_ray.perf.footprint import Footprint
 
@@ -23,3 +26,51 @@ def max_micro_batch(spec: GpuSpec, precision: str, footprint: Footprint) -> int:
     free = spec.memory_bytes - footprint.static_bytes
     per_sample = footprint.activation_bytes_per_sample * activation_scale(precision)
     return max(0, int(free // per_sample)) if per_sample > 0 else (1 << 30 if free >= 0 else 0)
+
+
+def ring_allreduce_bytes(payload_bytes: float, world: int) -> float:
+    """Bytes each rank sends in a ring all-reduce: reduce-scatter then all-gather, (W-1)/W of the payload each."""
+    return 2 * (world - 1) / world * payload_bytes
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """Size of the worker-error buffer DeepSpeed's 1-bit optimizers allocate for ``numel`` elements.
+
+    Rounded up to a multiple of ``world_size * lcm(world_size, 8)`` so that every rank's
+    server chunk is a whole number of bytes once packed (the optimizers' ``corrected_tensor_size``).
+    The server-error buffer holds ``padded_numel(...) // world_size`` elements.
+    """
+    multiple = world_size * math.lcm(world_size, 8)
+    return -(-numel // multiple) * multiple
+
+
+def onebit_allreduce_bytes(numel: int, world: int) -> float:
+    """Bytes each rank sends in a 1-bit compressed all-reduce (DeepSpeed's algorithm).
+
+    Each of two phases (worker all-to-all, server all-gather) sends one packed chunk
+    of ``padded / (8 W)`` bytes and one fp32 scale to each of the W-1 others: about
+    1/32 of the fp32 ring.
+    """
+    return 2 * (world - 1) * (padded_numel(numel, world) / (8 * world) + 4)
+
+
+def link_seconds(bytes_sent: float, messages: int, bandwidth_bytes_s: float, latency_s: float) -> float:
+    """Time on one link: bytes over bandwidth plus a latency per message round."""
+    return bytes_sent / bandwidth_bytes_s + messages * latency_s
+
+
+def allreduce_seconds(
+    numels: Sequence[int], world: int, bandwidth_bytes_s: float, latency_s: float, *, compressed: bool = False
+) -> float:
+    """Gradient synchronisation per step on the slowest link of the ring, for parameter tensors of ``numels``.
+
+    fp32: one bucketed ring all-reduce of all gradients. 1-bit compressed: DeepSpeed
+    compresses tensor by tensor, each an all-to-all plus a scale gather, then a sign
+    and a scale gather: four collective rounds of W-1 messages per tensor.
+    """
+    if world == 1:
+        return 0.0
+    if compressed:
+        sent = sum(onebit_allreduce_bytes(n, world) for n in numels)
+        return link_seconds(sent, 4 * (world - 1) * len(numels), bandwidth_bytes_s, latency_s)
+    return link_seconds(ring_allreduce_bytes(4 * sum(numels), world), 2 * (world - 1), bandwidth_bytes_s, latency_s)

@@ -12,11 +12,13 @@ from collections.abc import Mapping, Sequence
 
 from hetero_ray.cluster.catalog import Catalog, GpuSpec
 from hetero_ray.perf.footprint import Footprint
-from hetero_ray.plan.cost import activation_scale, compute_seconds, max_micro_batch
+from hetero_ray.plan.cost import activation_scale, allreduce_seconds, compute_seconds, max_micro_batch
 from hetero_ray.plan.plan import Exclusion, Infeasible, Plan, WorkerRole
 from hetero_ray.train.precision import choose_precision
 
 GiB = 2**30
+# (bandwidth in bytes/s, latency in s) of the slowest link of the all-reduce.
+Link = tuple[float, float]
 
 
 def split_batch(global_batch: int, speeds: Sequence[float]) -> list[int]:
@@ -62,12 +64,16 @@ def plan_data_parallel(
     efficiency: float = 0.4,
     max_micro: int | None = None,
     emulated: bool = False,
+    link: Link | None = None,
+    compressed: bool = False,
 ) -> Plan | Infeasible:
     """Plan weighted data parallelism over workers of the given GPU types.
 
     Speed of a type is its catalog peak at its chosen precision times
     ``efficiency``; a type whose memory cannot hold one sample is excluded with
     the reason, and if every type is excluded the result is ``Infeasible``.
+    With a ``link`` (bandwidth bytes/s, latency s), the gradient all-reduce is
+    priced on it: fp32 ring, and 1-bit compressed when ``compressed``.
     """
     specs = [catalog.get(t) for t in rank_types]
     precisions = [choose_precision(s, precision) for s in specs]
@@ -104,12 +110,21 @@ def plan_data_parallel(
             )
         )
         offset += share
+    world = len(rank_types)
+    numels = footprint.param_numels or (footprint.param_count,)
+    comm_fp32 = allreduce_seconds(numels, world, *link) if link else 0.0
     plan = Plan(
         global_batch=global_batch,
         split=split if isinstance(split, str) else "weights",
         emulated=emulated,
         roles=tuple(roles),
         excluded=excluded,
+        predicted_comm_fp32_s=comm_fp32,
+        predicted_comm_s=(
+            allreduce_seconds(footprint.param_count, world, *link, compressed=True)
+            if link and compressed
+            else comm_fp32
+        ),
     )
     return Plan(**{**plan.__dict__, "explanation": explain(plan)})
 
@@ -128,12 +143,25 @@ def _exclusions(specs, precisions, fits, footprint: Footprint) -> tuple[Exclusio
     return tuple(out.values())
 
 
+def explain_communication(plan: Plan, worth: float = 0.05) -> str:
+    """Whether 1-bit compression pays: it does when it saves more than ``worth`` of the fp32 step."""
+    compute, fp32 = plan.predicted_compute_s, plan.predicted_comm_fp32_s
+    # 1-bit sends 1/32 of the bytes but twice the rounds; price it the same way as the plan does.
+    onebit = plan.predicted_comm_s if plan.predicted_comm_s != fp32 else None
+    text = f"gradient all-reduce {fp32 * 1e3:.3g} ms per step in fp32 against {compute * 1e3:.3g} ms of compute"
+    if onebit is None:
+        return text
+    saving = (fp32 - onebit) / (compute + fp32)
+    verdict = "pays" if saving > worth else "does not pay"
+    return f"{text}; 1-bit compressed {onebit * 1e3:.3g} ms: compression {verdict} ({saving:.0%} of the step)"
+
+
 def explain(plan: Plan) -> str:
     """Plain-language summary: what each type does and why."""
     by_type: dict[str, list[WorkerRole]] = {}
     for role in plan.roles:
         by_type.setdefault(role.gpu_type, []).append(role)
-    slowest = plan.predicted_step_s
+    slowest = plan.predicted_compute_s
     lines = [f"{plan.split} split of {plan.global_batch} samples over {len(plan.roles)} workers"]
     for gpu_type, roles in by_type.items():
         r = roles[0]
@@ -143,6 +171,8 @@ def explain(plan: Plan) -> str:
             f"{r.predicted_memory_bytes / GiB:.2f} of {r.memory_cap_bytes / GiB:g} GiB"
         )
     lines += [f"{e.count} × {e.gpu_type} excluded: {e.reason}" for e in plan.excluded]
+    if plan.predicted_comm_fp32_s:
+        lines.append(explain_communication(plan))
     if plan.emulated:
         lines.append("devices are emulated: times are modelled GPU times, computed on CPU")
     return "; ".join(lines)

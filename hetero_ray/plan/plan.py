@@ -56,13 +56,20 @@ class Plan:
     emulated: bool
     roles: tuple[WorkerRole, ...]
     excluded: tuple[Exclusion, ...] = ()
+    predicted_comm_s: float = 0.0
+    predicted_comm_fp32_s: float = 0.0
     explanation: str = ""
     schema: int = field(default=1)
 
     @property
-    def predicted_step_s(self) -> float:
-        """Slowest worker's modelled compute time (communication not yet priced)."""
+    def predicted_compute_s(self) -> float:
+        """Slowest worker's modelled compute time."""
         return max(r.predicted_compute_s for r in self.roles)
+
+    @property
+    def predicted_step_s(self) -> float:
+        """Compute of the slowest worker, then gradient synchronisation (priced when a link is known)."""
+        return self.predicted_compute_s + self.predicted_comm_s
 
     def roles_for(self, rank_types: Sequence[str]) -> list[WorkerRole | None]:
         """Bind roles to ranks: the k-th worker of a type gets the k-th role of that type.
