@@ -1,0 +1,476 @@
+"""1-bit compressed all-reduce on gloo: exact against a reference, bytes, weighting, DeepSpeed end to end.
+
+Multi-rank parts run in processes started with ``torch.multiprocessing.spawn`` on gloo
+over loopback; each rank saves what it saw to a file that the test reads back. To keep
+the file fast on two cores, each world size is spawned once per module (every scenario
+runs in that one spawn) and DeepSpeed once for both optimizers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from hetero_ray.config import ConfigError
+from hetero_ray.train.onebit import (
+    GlooCompressedBackend,
+    init_distributed_on_gloo,
+    initialize_on_gloo,
+    padded_numel,
+    validate_onebit_config,
+)
+
+# Not divisible by 8 x world, divisible, and 3-d with padding: shapes as an optimizer passes them.
+SHAPES = [(37,), (8, 16), (3, 5, 7)]
+STEPS = 4
+# Numels for the byte count: large (the ratio that matters) and tiny (scales dominate).
+BYTES_NUMELS = [2**20, 37]
+# Local batch per rank, uneven on purpose.
+SHARES = {2: [2, 1], 4: [3, 1, 1, 2]}
+HETERO_NUMEL = 256  # a multiple of 8 x W x lcm(W, 8) for W = 2 and 4: no padding, so no padding zeros
+LOSSY_STEPS = 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, fn: Callable[..., dict], world: int, port: int, out: Path, args: tuple) -> None:
+    """Entry point of one spawned rank: a launcher's environment, then ``fn``, then its result to disk."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    try:
+        result = fn(rank, world, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+def run_ranks(fn: Callable[..., dict], world: int, out: Path, *args: Any) -> list[dict]:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes; each rank's returned dict, by rank."""
+    mp.spawn(_rank_main, args=(fn, world, free_port(), out, args), nprocs=world, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+def error_buffers(numel: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker and server error buffers sized as DeepSpeed's 1-bit optimizers size them."""
+    padded = padded_numel(numel, world)
+    return torch.zeros(padded), torch.zeros(padded // world)
+
+
+# ---------------------------------------------------------------- reference, single process
+
+
+def one_bit(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, float signs) of 1-bit compression; zero counts as +1."""
+    return torch.linalg.norm(v) / math.sqrt(v.numel()), torch.where(v >= 0, 1.0, -1.0)
+
+
+def reference_allreduce(
+    inputs: list[torch.Tensor], worker_errors: list[torch.Tensor], server_errors: list[torch.Tensor]
+) -> torch.Tensor:
+    """One compressed all-reduce over every rank's input, without packing; updates the error lists.
+
+    Rank r compresses its zero-padded input plus its worker error; the decompressed messages
+    are averaged; rank r's server compresses chunk r of the average plus its server error;
+    the result is the concatenation of the server messages, the same on every rank.
+    """
+    world, numel, padded = len(inputs), inputs[0].numel(), worker_errors[0].numel()
+    chunk = padded // world
+    messages = []
+    for r, x in enumerate(inputs):
+        v = torch.cat([x.reshape(-1), torch.zeros(padded - numel)]) + worker_errors[r]
+        scale, sign = one_bit(v)
+        worker_errors[r] = v - scale * sign
+        messages.append(scale * sign)
+    average = sum(messages) / world
+    result = []
+    for r in range(world):
+        m = average[r * chunk : (r + 1) * chunk] + server_errors[r]
+        scale, sign = one_bit(m)
+        server_errors[r] = m - scale * sign
+        result.append(scale * sign)
+    return torch.cat(result)[:numel].reshape(inputs[0].shape)
+
+
+def exactness_inputs(world: int) -> list[list[list[torch.Tensor]]]:
+    """inputs[step][rank][tensor]: random, with exact zeros (1-bit compression maps them to +1)."""
+    g = torch.Generator().manual_seed(world)
+    inputs = []
+    for _ in range(STEPS):
+        per_rank = []
+        for _ in range(world):
+            tensors = [torch.randn(shape, generator=g) for shape in SHAPES]
+            for t in tensors:
+                t[t.abs() < 0.1] = 0.0
+            per_rank.append(tensors)
+        inputs.append(per_rank)
+    return inputs
+
+
+def lossless_samples(shares: list[int], seed: int) -> torch.Tensor:
+    """Per-sample gradients (rows) that are random, yet whose per-rank sums are c_r * s for one sign vector s.
+
+    Every rank's contribution and their average then have entries of one magnitude, which
+    1-bit compression represents exactly: any difference from the weighted average is a
+    weighting error, not a compression error.
+    """
+    g = torch.Generator().manual_seed(seed)
+    s = torch.where(torch.rand(HETERO_NUMEL, generator=g) < 0.5, -1.0, 1.0)
+    rows = []
+    for r, share in enumerate(shares):
+        free = torch.randn(share - 1, HETERO_NUMEL, generator=g)
+        c_r = 0.5 + r  # a different total per rank, so that weighting matters
+        rows += [free, (c_r * s - free.sum(dim=0)).unsqueeze(0)]
+    return torch.cat(rows)
+
+
+def average_backend_gradient(samples: torch.Tensor, world: int, global_batch: int) -> torch.Tensor:
+    """A rank's contribution to an AVERAGING all-reduce: its mean gradient with the loss scaled by W * b / B."""
+    return world * len(samples) / global_batch * samples.mean(dim=0)
+
+
+# ---------------------------------------------------------------- one spawned run per world size
+
+
+def backend_rank(rank: int, world: int, inputs: list, lossless: torch.Tensor, lossy: list[torch.Tensor]) -> dict:
+    """Every backend scenario on one rank: exactness, bytes, weighting, an explicit group, a size error."""
+    dist.init_process_group("gloo")
+    backend = GlooCompressedBackend()
+    result = {"size": backend.size, "rank": backend.rank}
+
+    # Exactness: called as OnebitAdam calls it, one persistent buffer and error pair per tensor.
+    buffers = [torch.zeros(shape) for shape in SHAPES]
+    errors = [error_buffers(b.numel(), world) for b in buffers]
+    outputs, in_place = [], True
+    for step in inputs:
+        for buffer, (worker_error, server_error), x in zip(buffers, errors, step[rank]):
+            buffer.copy_(x)
+            out = backend.compressed_allreduce(buffer, worker_error, server_error, rank)
+            in_place &= out is buffer
+            outputs.append(out.clone())
+    result |= {"outputs": outputs, "in_place": in_place, "worker_errors": [w for w, _ in errors]}
+    result["server_errors"] = [s for _, s in errors]
+
+    # Bytes: a fresh backend, so its counters hold these calls only.
+    counted = GlooCompressedBackend()
+    per_call = []
+    for numel in BYTES_NUMELS:
+        counted.compressed_allreduce(torch.randn(numel), *error_buffers(numel, world), rank)
+        per_call.append(counted.last_bytes_sent)
+    result |= {"bytes_per_call": per_call, "bytes_sent": counted.bytes_sent, "calls": counted.calls}
+
+    # Heterogeneous weighting: rank r owns the next SHARES[world][r] samples of the global batch.
+    shares = SHARES[world]
+    start, global_batch = sum(shares[:rank]), sum(shares)
+    mine = slice(start, start + shares[rank])
+    exact = average_backend_gradient(lossless[mine], world, global_batch)
+    backend.compressed_allreduce(exact, *error_buffers(HETERO_NUMEL, world), rank)
+    worker_error, server_error = error_buffers(HETERO_NUMEL, world)
+    lossy_out = []
+    for samples in lossy:
+        local = average_backend_gradient(samples[mine], world, global_batch)
+        lossy_out.append(backend.compressed_allreduce(local, worker_error, server_error, rank).clone())
+    result |= {"lossless": exact, "lossy": lossy_out, "lossy_worker_error": worker_error}
+    result["lossy_server_error"] = server_error
+
+    # An explicit group, as a pipeline plan's data-parallel groups: pairs of consecutive ranks.
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
+    paired = GlooCompressedBackend(pairs[rank // 2])
+    result["pair_rank_size"] = (paired.rank, paired.size)
+    x = inputs[0][rank][0].clone()
+    result["pair_output"] = paired.compressed_allreduce(x, *error_buffers(x.numel(), 2), rank)
+
+    try:
+        backend.compressed_allreduce(torch.ones(37), torch.zeros(48 * world), torch.zeros(5), rank)
+    except ValueError as e:
+        result["size_error"] = str(e)
+    return result
+
+
+@pytest.fixture(scope="module")
+def backend_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict]:
+    """``runs(world)``: the scenario inputs and every rank's results, spawned once per world size."""
+    cache: dict[int, dict] = {}
+
+    def runs(world: int) -> dict:
+        if world not in cache:
+            g = torch.Generator().manual_seed(10 + world)
+            scenario = {
+                "inputs": exactness_inputs(world),
+                "lossless": lossless_samples(SHARES[world], seed=world),
+                "lossy": [torch.randn(sum(SHARES[world]), HETERO_NUMEL, generator=g) for _ in range(LOSSY_STEPS)],
+            }
+            out = tmp_path_factory.mktemp(f"world{world}")
+            ranks = run_ranks(backend_rank, world, out, scenario["inputs"], scenario["lossless"], scenario["lossy"])
+            cache[world] = scenario | {"ranks": ranks}
+        return cache[world]
+
+    return runs
+
+
+# ---------------------------------------------------------------- tests: the backend
+
+
+def test_padded_numel_matches_deepspeeds_corrected_size() -> None:
+    # OnebitAdam pads to a multiple of W * lcm(W, 8): 16 for W=2, 32 for W=4, 72 for W=3.
+    assert [padded_numel(37, 2), padded_numel(37, 4), padded_numel(37, 3), padded_numel(128, 4)] == [48, 64, 72, 128]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_compressed_allreduce_equals_reference(world: int, backend_runs: Callable[[int], dict]) -> None:
+    """Bit for bit: the same float operations in the same order. The backend multiplies each
+    scale by 1/W before summing, the reference divides the sum by W; for W = 2 and 4 both are
+    exact power-of-two scalings, so the order cannot change a bit (for W = 3 it could, by 1 ulp)."""
+    run = backend_runs(world)
+    # errors[tensor][rank], carried from step to step as the optimizer's state carries them.
+    worker_errors = [[error_buffers(math.prod(s), world)[0] for _ in range(world)] for s in SHAPES]
+    server_errors = [[error_buffers(math.prod(s), world)[1] for _ in range(world)] for s in SHAPES]
+    expected = [
+        reference_allreduce([step[r][i] for r in range(world)], worker_errors[i], server_errors[i])
+        for step in run["inputs"]
+        for i in range(len(SHAPES))
+    ]
+
+    for r, got in enumerate(run["ranks"]):
+        assert (got["size"], got["rank"]) == (world, r)
+        assert got["in_place"], "compressed_allreduce must write into buffer_m and return it"
+        for call, (out, ref) in enumerate(zip(got["outputs"], expected)):
+            assert torch.equal(out, ref), f"rank {r}, call {call}: max diff {(out - ref).abs().max()}"
+        for i in range(len(SHAPES)):
+            assert torch.equal(got["worker_errors"][i], worker_errors[i][r])
+            assert torch.equal(got["server_errors"][i], server_errors[i][r])
+    # The error feedback was exercised: every worker error is non-zero, and some server error of
+    # every tensor (a chunk made only of padding compresses losslessly, so its error may stay 0).
+    assert all(e.abs().max() > 0 for errors in worker_errors for e in errors)
+    assert all(max(e.abs().max() for e in errors) > 0 for errors in server_errors)
+
+
+def test_explicit_group_reduces_within_the_group(backend_runs: Callable[[int], dict]) -> None:
+    run = backend_runs(4)
+    for first in (0, 2):
+        pair = [first, first + 1]
+        worker_errors, server_errors = zip(*(error_buffers(SHAPES[0][0], 2) for _ in pair))
+        expected = reference_allreduce([run["inputs"][0][r][0] for r in pair], list(worker_errors), list(server_errors))
+        for local, r in enumerate(pair):
+            assert run["ranks"][r]["pair_rank_size"] == (local, 2)
+            assert torch.equal(run["ranks"][r]["pair_output"], expected)
+
+
+def test_wrongly_sized_error_buffers_get_a_one_line_error(backend_runs: Callable[[int], dict]) -> None:
+    message = backend_runs(2)["ranks"][0]["size_error"]
+    assert "\n" not in message
+    assert "worker_error of 96 and server_error of 5" in message and "must be 48 and 24" in message
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_sent_are_counted_and_about_a_32nd_of_fp32(world: int, backend_runs: Callable[[int], dict]) -> None:
+    # Per call: 2 phases x (W-1) peers x (one packed chunk of padded/(8W) bytes + one fp32 scale).
+    #   W=2: 2^20 -> 2*1*(65536+4) = 131080;  37 -> padded 48, chunk 3 B -> 2*1*(3+4) = 14
+    #   W=4: 2^20 -> 2*3*(32768+4) = 196632;  37 -> padded 64, chunk 2 B -> 2*3*(2+4) = 36
+    expected = {2: [131080, 14], 4: [196632, 36]}[world]
+    for got in backend_runs(world)["ranks"]:
+        assert got["bytes_per_call"] == expected
+        assert (got["bytes_sent"], got["calls"]) == (sum(expected), 2)
+    # fp32 ring all-reduce of the same tensor: 2 (W-1)/W x numel x 4 bytes per rank.
+    ring = 2 * (world - 1) / world * 2**20 * 4
+    assert expected[0] / ring <= 0.06
+    assert expected[0] / ring == pytest.approx(1 / 32, rel=1e-3)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_share_weighted_average_survives_compression(world: int, backend_runs: Callable[[int], dict]) -> None:
+    """hetero-ray scales losses by W * b_r / B for an averaging backend; the result is the full-batch gradient."""
+    run = backend_runs(world)
+    shares, lossless = SHARES[world], run["lossless"]
+    full_batch = lossless.mean(dim=0)
+    bounds = torch.tensor([0, *shares]).cumsum(0).tolist()
+    local_means = [lossless[a:b].mean(dim=0) for a, b in zip(bounds, bounds[1:])]
+    # The weighting matters here: an unweighted average of local means is far off.
+    assert (sum(local_means) / world - full_batch).abs().max() > 0.1
+    for got in run["ranks"]:
+        # Lossless compression (one magnitude everywhere): equal up to float rounding of the scales.
+        torch.testing.assert_close(got["lossless"], full_batch, rtol=1e-6, atol=1e-6)
+
+    # Lossy compression over many steps: error feedback delays, never loses. With zero initial
+    # errors, sum_t out_t + server_error + mean_r worker_error_r = sum_t full_batch_t in exact arithmetic,
+    # so the compressed average equals the share-weighted one up to a bounded, non-growing error.
+    ranks = run["ranks"]
+    delivered = sum(ranks[0]["lossy"])
+    pending = torch.cat([r["lossy_server_error"] for r in ranks]) + sum(r["lossy_worker_error"] for r in ranks) / world
+    wanted = sum(samples.mean(dim=0) for samples in run["lossy"])
+    torch.testing.assert_close(delivered + pending, wanted, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(r["lossy"][-1], ranks[0]["lossy"][-1]) for r in ranks)
+    assert (ranks[0]["lossy"][-1] - run["lossy"][-1].mean(dim=0)).abs().max() > 0.1, "compression should be lossy"
+
+
+# ---------------------------------------------------------------- tests: DeepSpeed on gloo
+
+ONEBIT_ADAM = {
+    "type": "OneBitAdam",
+    # freeze_step 2: the first step only initialises state, the second is plain Adam, then 1-bit.
+    # A small beta2 gives a usable variance after one step (1-bit Adam freezes it at freeze_step).
+    "params": {
+        "lr": 1e-3,
+        "betas": [0.9, 0.99],
+        "freeze_step": 2,
+        "comm_backend_name": "compressed",
+        "cuda_aware": False,
+    },
+}
+ZERO_ONE_ADAM = {
+    "type": "ZeroOneAdam",
+    # var_update_scaler 1: the variance interval doubles at once, so gradients are 1-bit
+    # compressed on alternate steps; after var_freeze_step, accumulated momentum is.
+    "params": {
+        "lr": 1e-3,
+        "betas": [0.9, 0.99],
+        "var_freeze_step": 4,
+        "var_update_scaler": 1,
+        "comm_backend_name": "compressed",
+        "cuda_aware": False,
+    },
+}
+# The attribute that says an optimizer is in its compressed stage.
+COMPRESSED_FLAG = {"OneBitAdam": "adam_freeze_key", "ZeroOneAdam": "freeze_key"}
+DS_STEPS = 8
+
+
+def deepspeed_rank(rank: int, world: int, optimizers: list[dict]) -> dict:
+    """Train a Linear(16, 4) with each 1-bit optimizer through deepspeed.initialize on gloo."""
+    # Explicit CPU accelerator (auto-detection lands there too, with a warning); its
+    # communication backend is gloo when oneccl is not installed.
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed.comm
+    import deepspeed.runtime.comm.compressed as compressed
+
+    # deepspeed.init_distributed(dist_backend="gloo"), minus a 70 s compile of an op training never uses.
+    init_distributed_on_gloo()
+    assert deepspeed.comm.get_world_size() == world and deepspeed.comm.comm.cdb.shm_comm_op is None
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(8, 16, generator=g)
+    y = x @ torch.full((16, 4), 0.1)
+    results = {}
+    for optimizer in optimizers:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 4)
+        config = {"train_batch_size": 8 * world, "optimizer": optimizer, "zero_optimization": {"stage": 0}}
+        engine, opt, _, _ = initialize_on_gloo(config=config, model=model, model_parameters=model.parameters())
+        backend = opt.comm_backend_handle
+        losses, flags, bytes_sent = [], [], []
+        for _ in range(DS_STEPS):
+            loss = F.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / world)
+            flags.append(getattr(opt, COMPRESSED_FLAG[optimizer["type"]]))
+            bytes_sent.append(backend.bytes_sent)
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(params) for _ in range(world)]
+        dist.all_gather(gathered, params)
+        results[optimizer["type"]] = {
+            "backend": type(backend).__name__,
+            "binding_restored": compressed.CompressedBackend.__name__ == "CompressedBackend",
+            "losses": losses,
+            "flags": flags,
+            "bytes_sent": bytes_sent,
+            "backward_allreduce": engine.enable_backward_allreduce,
+            "error_sizes": [
+                (p.numel(), s["worker_error"].numel(), s["server_error"].numel()) for p, s in opt.state.items()
+            ],
+            "params": gathered,
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Rank 0's view of both optimizers' runs (parameters of every rank are in it, all-gathered)."""
+    return run_ranks(deepspeed_rank, 2, tmp_path_factory.mktemp("deepspeed"), [ONEBIT_ADAM, ZERO_ONE_ADAM])[0]
+
+
+def check_deepspeed_run(run: dict) -> None:
+    """What both optimizers must show: our backend, DeepSpeed's error sizing, learning, bytes moved."""
+    assert run["backend"] == "GlooCompressedBackend" and run["binding_restored"]
+    # Linear(16, 4) on 2 ranks: weight 64 elements -> 64 (a multiple of 16), bias 4 -> 16.
+    assert sorted(run["error_sizes"]) == [(4, 16, 8), (64, 64, 32)]
+    assert all(padded_numel(n, 2) == w for n, w, _ in run["error_sizes"])
+    losses = run["losses"]
+    assert losses[-1] < losses[2] < losses[0], losses
+    assert run["bytes_sent"][-1] > run["bytes_sent"][2]
+
+
+def test_deepspeed_onebit_adam_on_gloo(deepspeed_runs: dict) -> None:
+    run = deepspeed_runs["OneBitAdam"]
+    check_deepspeed_run(run)
+    # Step 1 initialises, step 2 is plain Adam and reaches freeze_step: compressed from then on.
+    assert run["flags"] == [False] + [True] * (DS_STEPS - 1)
+    assert run["backward_allreduce"] is False, "the engine must stop all-reducing gradients"
+    # Each compressed step moves both parameters: weight 2*(4+4) = 16 B, bias 2*(1+4) = 10 B.
+    assert [b - a for a, b in zip(run["bytes_sent"][1:], run["bytes_sent"][2:])] == [26] * (DS_STEPS - 2)
+    first, second = run["params"]
+    assert torch.equal(first, second), "ranks must hold identical parameters"
+
+
+def test_deepspeed_zero_one_adam_on_gloo(deepspeed_runs: dict) -> None:
+    run = deepspeed_runs["ZeroOneAdam"]
+    check_deepspeed_run(run)
+    # freeze_key turns on after step var_freeze_step + 1 = 5.
+    assert run["flags"] == [False] * 4 + [True] * (DS_STEPS - 4)
+    # Not bit-identical: in its local steps ZeroOneAdam adds its own update to the parameter
+    # and subtracts it again before applying the synchronised one, and (p + u) - u rounds
+    # differently on each rank. The difference stays at rounding level.
+    first, second = run["params"]
+    torch.testing.assert_close(first, second, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- tests: config validation
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "zero", "stage"),
+    [("OneBitAdam", {"stage": 2}, 2), ("zerooneadam", True, 1), ("OneBitLamb", {"stage": 3}, 3)],
+)
+def test_onebit_with_zero_is_rejected_in_one_line(optimizer: str, zero: Any, stage: int) -> None:
+    config = {"optimizer": {"type": optimizer, "params": {}}, "zero_optimization": zero}
+    with pytest.raises(ValueError) as info:
+        validate_onebit_config(config, where="train.deepspeed")
+    message = str(info.value)
+    assert isinstance(info.value, ConfigError) and "\n" not in message
+    assert message.startswith("train.deepspeed: optimizer.type ")
+    assert f"zero_optimization.stage {stage}" in message and "need zero_optimization.stage 0" in message
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"optimizer": {"type": "OneBitAdam"}, "zero_optimization": {"stage": 0}},
+        {"optimizer": {"type": "ZeroOneAdam"}},
+        {"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 2}},
+        {"train_batch_size": 8},
+    ],
+)
+def test_valid_configs_pass(config: dict) -> None:
+    validate_onebit_config(config)
+
+
+def test_initialize_on_gloo_needs_the_compressed_backend_name() -> None:
+    config = {"optimizer": {"type": "OneBitAdam", "params": {"comm_backend_name": "nccl"}}}
+    with pytest.raises(ConfigError, match=r"^deepspeed config: optimizer.params.comm_backend_name is 'nccl'"):
+        initialize_on_gloo(config=config)
