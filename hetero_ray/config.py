@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -20,6 +20,22 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LinkConfig(_Strict):
+    """The slowest link of the gradient all-reduce: the planner prices communication on it, and an
+    emulated cluster pads every synchronisation to bytes ÷ bandwidth + latency per message, × dilation."""
+
+    bandwidth_gbps: float = Field(gt=0, description="Link bandwidth in Gbit/s (1 for 1 GbE, 100 for EDR InfiniBand).")
+    latency_us: float = Field(10.0, ge=0, description="Latency per message in microseconds.")
+
+    @property
+    def bandwidth_bytes_s(self) -> float:
+        return self.bandwidth_gbps * 1e9 / 8
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_us * 1e-6
 
 
 class EmulationConfig(_Strict):
@@ -80,6 +96,43 @@ class TrainConfig(_Strict):
         return v
 
 
+ONEBIT_OPTIMIZERS = ("onebit_adam", "zero_one_adam")
+# DeepSpeed's 1-bit Adam tutorial warms up for roughly 15-25% of training before compressing.
+DEFAULT_FREEZE_FRACTION = 0.15
+
+
+class OptimizerConfig(_Strict):
+    """Adam (torch AdamW) or DeepSpeed's compressed-communication Adams."""
+
+    name: Literal["adam", "onebit_adam", "zero_one_adam"] = "adam"
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's moment decay rates, for every optimizer.")
+    freeze_step: int | None = Field(
+        None, ge=1, description="onebit_adam: full-precision warm-up steps; default 15% of train.steps."
+    )
+    var_freeze_step: int | None = Field(
+        None, ge=1, description="zero_one_adam: steps after which the variance is frozen; default 15% of train.steps."
+    )
+    var_update_scaler: int = Field(16, ge=1, description="zero_one_adam: variance update interval growth.")
+    local_step_scaler: int = Field(32678, ge=1, description="zero_one_adam: local-step interval growth.")
+    local_step_clipper: int = Field(16, ge=1, description="zero_one_adam: largest local-step interval.")
+    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage; 1-bit optimizers need 0.")
+
+    @model_validator(mode="after")
+    def _no_zero_with_onebit(self) -> OptimizerConfig:
+        if self.zero_stage > 0:
+            if self.name in ONEBIT_OPTIMIZERS:
+                raise ValueError(
+                    f"{self.name} is not compatible with ZeRO (stage {self.zero_stage}); set optimizer.zero_stage: 0"
+                )
+            raise ValueError("ZeRO stages above 0 are not supported yet; set optimizer.zero_stage: 0")
+        return self
+
+    def warmup_steps(self, total_steps: int) -> int:
+        """The uncompressed warm-up: freeze_step (1-bit Adam) or var_freeze_step (0/1 Adam), or the default fraction."""
+        explicit = self.freeze_step if self.name == "onebit_adam" else self.var_freeze_step
+        return explicit or max(1, round(DEFAULT_FREEZE_FRACTION * total_steps))
+
+
 class RunStorage(_Strict):
     """Where Ray Train keeps checkpoints; the same name and path resume a run."""
 
@@ -92,8 +145,12 @@ class RunConfig(_Strict):
 
     devices: dict[str, int] = Field(description="Workers per GPU type (catalog names), e.g. {A100-80GB: 2}.")
     emulation: EmulationConfig | None = Field(None, description="Present: the devices are emulated on CPU.")
+    link: LinkConfig | None = Field(
+        None, description="Slowest link between workers; absent: communication is neither priced nor emulated."
+    )
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     run: RunStorage = Field(default_factory=RunStorage)
     gpus_file: str | None = Field(None, description="YAML of extra GPU types (same schema as the catalog).")
 

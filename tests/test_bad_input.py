@@ -118,6 +118,21 @@ CASES = [
         id="dataset-smaller-than-global-batch",
     ),
     pytest.param(bad_gpus_file, r"{dir}/gpus\.yaml: entry 'Tiny-GPU': memory_gib", id="bad-gpus-file-entry"),
+    pytest.param(
+        lambda d: config(optimizer={"name": "onebit_adam", "zero_stage": 2}),
+        r"{config}: optimizer: onebit_adam is not compatible with ZeRO \(stage 2\); set optimizer\.zero_stage: 0",
+        id="onebit-with-zero",
+    ),
+    pytest.param(
+        lambda d: config(optimizer={"name": "lamb"}),
+        r"{config}: optimizer\.name: .*'adam', 'onebit_adam' or 'zero_one_adam'",
+        id="unknown-optimizer",
+    ),
+    pytest.param(
+        lambda d: config(link={"bandwidth_gbps": 0}),
+        r"{config}: link\.bandwidth_gbps: .*greater than 0",
+        id="zero-link-bandwidth",
+    ),
 ]
 
 

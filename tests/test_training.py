@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from hetero_ray.cluster.emulation import EmulatedCluster
+from hetero_ray.plan.cost import onebit_allreduce_bytes
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.workloads import build_workload
 
@@ -190,3 +191,32 @@ def test_discover_cli_labels_emulated_nodes(cluster):
     assert emulated == [("A100-80GB", 2), ("V100-16GB", 2)]
     assert len(reports) == 3
     assert all(not r["gpus"] and "no NVIDIA GPU" in r["error"] for r in reports)
+
+
+def test_onebit_adam_compresses_and_resumes_with_its_optimizer_state(cluster, tmp_path):
+    """DeepSpeed 1-bit Adam on the workers: past its warm-up only compressed momentum crosses the
+    emulated 1 Gbit/s link (bytes counted at the backend), and a longer run of the same name resumes
+    from the checkpoint, optimizer state included."""
+    cfg = run_config(tmp_path / "runs", "onebit")
+    # Small enough that 1 Gbit/s warm-up steps take about a second each.
+    cfg["emulation"] = {"dilation": 1_000}
+    cfg["link"] = {"bandwidth_gbps": 1, "latency_us": 10}
+    cfg["optimizer"] = {"name": "onebit_adam", "freeze_step": 4, "betas": [0.9, 0.95]}
+    cfg["train"] |= {"steps": 10, "checkpoint_every": 10, "report_every": 5}
+    job_id, out = submit(cluster, tmp_path, cfg)
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    first = json.loads(out.read_text())["metrics"]
+    params = sum(
+        t.numel() for t in torch.load(Path(json.loads(out.read_text())["checkpoint_path"]) / "model.pt").values()
+    )
+    assert all(d["compressed"] for d in first["devices"])
+    # Per rank and step: two phases of a packed chunk and a 4-byte scale to each of 3 peers.
+    assert {d["bytes_sent"] for d in first["devices"]} == {onebit_allreduce_bytes(params, 4)}
+    assert first["losses"][-1][1] < first["losses"][0][1]
+
+    cfg["train"] |= {"steps": 14}
+    job_id, out = submit(cluster, tmp_path, cfg)
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    resumed = json.loads(out.read_text())["metrics"]
+    assert resumed["resumed_from_step"] == 10 and resumed["step"] == 13
+    assert all(d["compressed"] for d in resumed["devices"])

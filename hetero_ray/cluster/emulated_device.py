@@ -27,6 +27,14 @@ class EmulatedOOM(torch.OutOfMemoryError):
     """The emulated device's memory cap was exceeded (caught like a CUDA OOM)."""
 
 
+def _sleep_until(target: float) -> bool:
+    """Sleep until ``time.perf_counter()`` reaches ``target``; False if it already had."""
+    remaining = target - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+    return remaining > 0
+
+
 @dataclass(kw_only=True)
 class EmulatedDevice:
     """One emulated GPU of type ``spec`` as seen by the worker that drives it."""
@@ -37,6 +45,7 @@ class EmulatedDevice:
     efficiency: float
     dilation: float
     overrun_steps: int = field(default=0, init=False)
+    comm_overruns: int = field(default=0, init=False)
 
     def modelled_seconds(self, samples: int) -> float:
         """Wall time this step's compute is padded to: the GPU's modelled time × dilation."""
@@ -45,19 +54,28 @@ class EmulatedDevice:
         )
 
     def pad(self, started: float, samples: int) -> float:
-        """Sleep until the step that began at ``started`` has taken its modelled time.
+        """Sleep until the step that began at ``started`` has taken its modelled compute time.
 
         Returns the modelled time. When the CPU was slower than the model, the step
         is not padded and ``overrun_steps`` counts it: the figure is then not the
         emulated GPU's, and reports say so.
         """
-        target = started + self.modelled_seconds(samples)
-        remaining = target - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
-        else:
+        modelled = self.modelled_seconds(samples)
+        if not _sleep_until(started + modelled):
             self.overrun_steps += 1
-        return target - started
+        return modelled
+
+    def pad_comm(self, started: float, link_seconds: float) -> float:
+        """Sleep until the communication that began at ``started`` has taken ``link_seconds`` × dilation.
+
+        The same dilation as compute keeps the emulated hardware's compute :
+        communication ratio. Returns the modelled time; ``comm_overruns`` counts
+        the times loopback was slower than the modelled link.
+        """
+        modelled = self.dilation * link_seconds
+        if not _sleep_until(started + modelled):
+            self.comm_overruns += 1
+        return modelled
 
     @contextmanager
     def memory_cap(self, model: torch.nn.Module, static_bytes: int) -> Iterator[None]:

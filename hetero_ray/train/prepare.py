@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from hetero_ray.cluster.catalog import Catalog, load_catalog
-from hetero_ray.config import ConfigError, RunConfig
+from hetero_ray.config import ONEBIT_OPTIMIZERS, ConfigError, RunConfig
 from hetero_ray.perf.footprint import Footprint, cpu_seconds_per_sample, measure_footprint
 from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
@@ -48,6 +48,29 @@ def rank_types(cfg: RunConfig) -> list[str]:
     return [t for t, n in cfg.devices.items() for _ in range(n)]
 
 
+def plan_for(
+    cfg: RunConfig, types: list[str], catalog: Catalog, footprint: Footprint, efficiency: float, *, emulated: bool
+) -> Plan:
+    """The plan for workers of ``types`` under ``cfg`` (before launch, and again on the workers Ray gave)."""
+    link = cfg.link
+    plan = plan_data_parallel(
+        types,
+        catalog,
+        footprint,
+        global_batch=cfg.train.global_batch,
+        split=cfg.train.split,
+        precision=cfg.train.precision,
+        efficiency=efficiency,
+        max_micro=cfg.train.max_micro_batch,
+        emulated=emulated,
+        link=(link.bandwidth_bytes_s, link.latency_s) if link else None,
+        compressed=cfg.optimizer.name in ONEBIT_OPTIMIZERS,
+    )
+    if isinstance(plan, Infeasible):
+        raise PlanError(plan.reason)
+    return plan
+
+
 def prepare(cfg: RunConfig) -> Prepared:
     """Validate the run against the catalog and the workload, and plan it; raise on bad input."""
     catalog = load_catalog(cfg.gpus_file)
@@ -61,19 +84,7 @@ def prepare(cfg: RunConfig) -> Prepared:
             "samples; use a smaller batch or more data"
         )
     efficiency = cfg.emulation.efficiency if cfg.emulation else DEFAULT_EFFICIENCY
-    plan = plan_data_parallel(
-        rank_types(cfg),
-        catalog,
-        footprint,
-        global_batch=cfg.train.global_batch,
-        split=cfg.train.split,
-        precision=cfg.train.precision,
-        efficiency=efficiency,
-        max_micro=cfg.train.max_micro_batch,
-        emulated=cfg.emulation is not None,
-    )
-    if isinstance(plan, Infeasible):
-        raise PlanError(plan.reason)
+    plan = plan_for(cfg, rank_types(cfg), catalog, footprint, efficiency, emulated=cfg.emulation is not None)
     dilation = None
     if cfg.emulation is not None:
         dilation = cfg.emulation.dilation

@@ -1,0 +1,200 @@
+"""How a step's gradients are synchronised and applied.
+
+``TorchAdam``: AdamW over one flat SUM all-reduce. ``DeepSpeedOnebit``: DeepSpeed's
+OnebitAdam / ZeroOneAdam through ``deepspeed.initialize``, which average across
+ranks (so losses are weighted ``× world``) and switch to 1-bit compressed momentum
+after their warm-up. Both give the same interface to the training loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hetero_ray.config import RunConfig
+from hetero_ray.plan.cost import ring_allreduce_bytes
+from hetero_ray.train.precision import needs_loss_scaling
+
+
+@dataclass(frozen=True)
+class Synced:
+    """What one synchronisation returns: the summed loss, the stop vote, bytes this rank sent."""
+
+    loss_total: float
+    stop: bool
+    bytes_sent: float
+    messages: int
+    compressed: bool
+
+
+class TorchAdam:
+    """AdamW on the full-batch mean gradient, from one SUM all-reduce of flat gradients.
+
+    Each micro-batch's loss is weighted ``size / global_batch``, so the sum over
+    ranks is the full-batch mean. fp16 ranks unscale locally before the
+    all-reduce (scales differ by rank), and all ranks skip a step together when any
+    gradient is not finite.
+    """
+
+    loss_weight = 1.0
+
+    def __init__(self, model: torch.nn.Module, cfg: RunConfig, device: torch.device, precision: str | None):
+        self.model = model
+        self.params = list(model.parameters())
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.train.lr, betas=cfg.optimizer.betas, weight_decay=cfg.train.weight_decay
+        )
+        self.scaler = torch.amp.GradScaler("cuda") if precision and needs_loss_scaling(precision, device) else None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, loss_sum: float, stop: bool) -> Synced:
+        """All-reduce gradients (the loss and stop flag ride along), then update."""
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        device = grads[0].device
+        flat = torch.cat(
+            [g.reshape(-1).float() for g in grads] + [torch.tensor([loss_sum, float(stop)], device=device)]
+        )
+        dist.all_reduce(flat)
+        offset = 0
+        for p, g in zip(self.params, grads):
+            p.grad = flat[offset : offset + g.numel()].view_as(p).to(p.dtype)
+            offset += g.numel()
+        if bool(torch.isfinite(flat[:offset]).all()):
+            self.optimizer.step()
+        if self.scaler:
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        world = dist.get_world_size()
+        return Synced(
+            loss_total=float(flat[offset]),
+            stop=bool(flat[offset + 1] > 0),
+            bytes_sent=ring_allreduce_bytes(4 * flat.numel(), world),
+            messages=2 * (world - 1),
+            compressed=False,
+        )
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+DEEPSPEED_TYPES = {"onebit_adam": "OneBitAdam", "zero_one_adam": "ZeroOneAdam"}
+
+
+def deepspeed_config(cfg: RunConfig, world: int, on_gpu: bool) -> dict:
+    """The DeepSpeed config for ``cfg``'s 1-bit optimizer, in fp32 with ZeRO off.
+
+    Gradient accumulation is ours (ranks run different numbers of micro-batches), so
+    DeepSpeed's is unmanaged: ``backward`` only accumulates, ``step`` reduces and updates.
+    The batch sizes are nominal (DeepSpeed insists on them; it never sees our data).
+    """
+    opt = cfg.optimizer
+    warmup = opt.warmup_steps(cfg.train.steps)
+    params: dict = {
+        "lr": cfg.train.lr,
+        "betas": list(opt.betas),
+        "weight_decay": cfg.train.weight_decay,
+        # cupy + NCCL on GPUs; on CPU the project's gloo backend serves the "compressed" name.
+        "comm_backend_name": "nccl" if on_gpu else "compressed",
+        "cuda_aware": False,
+    }
+    if opt.name == "onebit_adam":
+        params["freeze_step"] = warmup
+    else:
+        params |= {
+            "var_freeze_step": warmup,
+            "var_update_scaler": opt.var_update_scaler,
+            "local_step_scaler": opt.local_step_scaler,
+            "local_step_clipper": opt.local_step_clipper,
+        }
+    return {
+        "train_batch_size": world,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "optimizer": {"type": DEEPSPEED_TYPES[opt.name], "params": params},
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 2**31 - 1,
+    }
+
+
+class DeepSpeedOnebit:
+    """DeepSpeed's OnebitAdam / ZeroOneAdam on the process group Ray Train set up.
+
+    They average across ranks, so each rank's loss is weighted ``× world``. Until the
+    warm-up ends the engine all-reduces fp32 gradients; then only 1-bit compressed
+    momentum crosses the wire, counted by the backend: DeepSpeed compresses each
+    parameter tensor in its own collective, each with its own scale. The loss and
+    stop vote take one extra 2-element all-reduce.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: RunConfig, device: torch.device):
+        from hetero_ray.train.onebit import init_distributed_on_gloo, initialize_on_gloo
+
+        self.device = device
+        self.world = dist.get_world_size()
+        self.model = model
+        self.numels = [p.numel() for p in model.parameters()]
+        self.loss_weight = float(self.world)
+        config = deepspeed_config(cfg, self.world, device.type == "cuda")
+        if device.type == "cuda":
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="nccl")
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                config=config, model=self.model, model_parameters=model.parameters()
+            )
+        else:
+            init_distributed_on_gloo()
+            self.engine, self.optimizer, _, _ = initialize_on_gloo(
+                config=config, model=self.model, model_parameters=model.parameters()
+            )
+        self.backend = self.optimizer.comm_backend_handle
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def compressed(self) -> bool:
+        """Whether the optimizer is past its warm-up (only compressed momentum is exchanged)."""
+        return bool(getattr(self.optimizer, "adam_freeze_key", False) or getattr(self.optimizer, "freeze_key", False))
+
+    def step(self, loss_sum: float, stop: bool) -> Synced:
+        """Reduce (fp32 or compressed, as DeepSpeed's phase says) and update."""
+        compressed = self.compressed()
+        before = getattr(self.backend, "bytes_sent", 0)
+        self.engine.step()
+        votes = torch.tensor([loss_sum, float(stop)], device=self.device)
+        dist.all_reduce(votes)
+        sent = getattr(self.backend, "bytes_sent", 0) - before
+        if not compressed:
+            sent += ring_allreduce_bytes(4 * sum(self.numels), self.world)
+        return Synced(
+            loss_total=float(votes[0]),
+            stop=bool(votes[1] > 0),
+            bytes_sent=sent,
+            # DeepSpeed buckets the fp32 all-reduce; it compresses tensor by tensor.
+            messages=(4 * len(self.numels) if compressed else 2) * (self.world - 1),
+            compressed=compressed,
+        )
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """DeepSpeed resets the compression errors on load (each rank's own, not in the checkpoint)."""
+        self.optimizer.load_state_dict(state)
+
+
+def make_sync(model: torch.nn.Module, cfg: RunConfig, device: torch.device, precision: str | None):
+    """The synchroniser the config asks for."""
+    if cfg.optimizer.name == "adam":
+        return TorchAdam(model, cfg, device, precision)
+    return DeepSpeedOnebit(model, cfg, device)
