@@ -47,3 +47,29 @@ def test_link_config_units():
     link = LinkConfig(bandwidth_gbps=1, latency_us=50)
     assert link.bandwidth_bytes_s == 125_000_000
     assert link.latency_s == pytest.approx(5e-5)
+
+
+def test_plan_prices_sync_on_the_link_and_says_when_compression_pays():
+    """Two tensors of 500k and 500k fp32 on 4 workers over 1 Gbit/s (125 MB/s), 10 us per round."""
+    from hetero_ray.cluster.catalog import load_catalog
+    from hetero_ray.perf.footprint import Footprint
+    from hetero_ray.plan.data_parallel import plan_data_parallel
+
+    fp = Footprint(
+        param_count=10**6,
+        param_numels=(500_000, 500_000),
+        dataset_samples=1000,
+        flops_per_sample=1e9,
+        activation_bytes_per_sample=1e3,
+    )
+    types = ["A100-80GB"] * 4
+    kwargs = dict(global_batch=8, efficiency=0.5, link=(125e6, 1e-5))
+    fp32 = plan_data_parallel(types, load_catalog(), fp, **kwargs)
+    onebit = plan_data_parallel(types, load_catalog(), fp, compressed=True, **kwargs)
+    # fp32 ring: 2 * 3/4 * 4e6 bytes = 6e6 bytes at 125 MB/s = 48 ms, plus 6 rounds.
+    assert fp32.predicted_comm_s == pytest.approx(0.048 + 6e-5)
+    # 1-bit: per tensor 2 * 3 * (500000 / 32 + 4) = 93774 bytes, 12 rounds.
+    assert onebit.predicted_comm_s == pytest.approx(2 * 93774 / 125e6 + 24e-5)
+    assert onebit.predicted_comm_fp32_s == fp32.predicted_comm_s
+    assert onebit.predicted_step_s == pytest.approx(onebit.predicted_compute_s + onebit.predicted_comm_s)
+    assert "compression pays" in onebit.explanation
