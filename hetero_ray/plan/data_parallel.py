@@ -121,9 +121,7 @@ def plan_data_parallel(
         excluded=excluded,
         predicted_comm_fp32_s=comm_fp32,
         predicted_comm_s=(
-            allreduce_seconds(numels, world, *link, compressed=True)
-            if link and compressed
-            else comm_fp32
+            allreduce_seconds(numels, world, *link, compressed=True) if link and compressed else comm_fp32
         ),
     )
     return Plan(**{**plan.__dict__, "explanation": explain(plan)})

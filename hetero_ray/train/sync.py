@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hetero_ray.config import RunConfig
-from hetero_ray.plan.cost import ring_allreduce_bytes
+from hetero_ray.plan.cost import onebit_allreduce_bytes, ring_allreduce_bytes
 from hetero_ray.train.precision import needs_loss_scaling
 
 
@@ -169,13 +169,17 @@ class DeepSpeedOnebit:
     def step(self, loss_sum: float, stop: bool) -> Synced:
         """Reduce (fp32 or compressed, as DeepSpeed's phase says) and update."""
         compressed = self.compressed()
-        before = getattr(self.backend, "bytes_sent", 0)
+        counted = hasattr(self.backend, "bytes_sent")  # ours counts; DeepSpeed's NCCL backend does not
+        before = self.backend.bytes_sent if counted else 0
         self.engine.step()
         votes = torch.tensor([loss_sum, float(stop)], device=self.device)
         dist.all_reduce(votes)
-        sent = getattr(self.backend, "bytes_sent", 0) - before
         if not compressed:
-            sent += ring_allreduce_bytes(4 * sum(self.numels), self.world)
+            sent = ring_allreduce_bytes(4 * sum(self.numels), self.world)
+        elif counted:
+            sent = self.backend.bytes_sent - before
+        else:
+            sent = sum(onebit_allreduce_bytes(n, self.world) for n in self.numels)
         return Synced(
             loss_total=float(votes[0]),
             stop=bool(votes[1] > 0),
