@@ -144,7 +144,7 @@ def _exclusions(specs, precisions, fits, footprint: Footprint) -> tuple[Exclusio
 def explain_communication(plan: Plan, worth: float = 0.05) -> str:
     """Whether 1-bit compression pays: it does when it saves more than ``worth`` of the fp32 step."""
     compute, fp32 = plan.predicted_compute_s, plan.predicted_comm_fp32_s
-    # 1-bit sends 1/32 of the bytes but twice the rounds; price it the same way as the plan does.
+    # The plan prices a compressed phase only for 1-bit optimizers; otherwise both figures are the fp32 one.
     onebit = plan.predicted_comm_s if plan.predicted_comm_s != fp32 else None
     text = f"gradient all-reduce {fp32 * 1e3:.3g} ms per step in fp32 against {compute * 1e3:.3g} ms of compute"
     if onebit is None:

@@ -1,10 +1,10 @@
 """The training function every Ray Train worker runs: plan, then step, report, checkpoint.
 
 One step on one worker (rank r with local batch b_r of a global batch B):
-forward/backward each micro-batch with its loss scaled by ``size / B``, so the
-sum over all workers of the local gradients is the full-batch mean gradient;
-pad to the emulated device's modelled time; one all-reduce (SUM) of the flat
-gradients (plus the loss and a stop flag, which ride along for free); step.
+forward/backward each micro-batch with its loss scaled by ``size / B`` (times the
+synchroniser's ``loss_weight``: the world size when it averages), so the reduced
+gradient is the full-batch mean; pad to the emulated device's modelled time;
+synchronise and update (``train/sync.py``), padded to the emulated link's time.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
         loss_sum = _local_backward(
-            workload, batches.indices(step), role, cfg.train.global_batch, device, emu, footprint, sync
+            model, workload, batches.indices(step), role, cfg.train.global_batch, device, emu, footprint, sync
         )
         busy = emu.pad(t0, role.local_batch) if emu else time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -128,16 +128,16 @@ def train_worker(payload: dict[str, Any]) -> None:
             break
 
 
-def _local_backward(workload, indices, role: WorkerRole | None, global_batch, device, emu, footprint, sync):
+def _local_backward(model, workload, indices, role: WorkerRole | None, global_batch, device, emu, footprint, sync):
     """Accumulate this worker's share of the full-batch mean gradient; return its summed loss."""
     if role is None:
         return 0.0
     loss_sum = 0.0
     for start, size in role.micro_batches():
         batch = tree_map(lambda t: t.to(device), collate(workload.dataset, indices[start : start + size]))
-        cap = emu.memory_cap(sync.model, footprint.static_bytes) if emu else nullcontext()
+        cap = emu.memory_cap(model, footprint.static_bytes) if emu else nullcontext()
         with cap, autocast(role.precision, device):
-            loss = workload.loss_fn(sync.model, batch)
+            loss = workload.loss_fn(model, batch)
         sync.backward(loss * (size / global_batch * sync.loss_weight))
         loss_sum += loss.item() * size
     return loss_sum

@@ -41,7 +41,6 @@ class TorchAdam:
     loss_weight = 1.0
 
     def __init__(self, model: torch.nn.Module, cfg: RunConfig, device: torch.device, precision: str | None):
-        self.model = model
         self.params = list(model.parameters())
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.train.lr, betas=cfg.optimizer.betas, weight_decay=cfg.train.weight_decay
@@ -141,7 +140,6 @@ class DeepSpeedOnebit:
 
         self.device = device
         self.world = dist.get_world_size()
-        self.model = model
         self.numels = [p.numel() for p in model.parameters()]
         self.loss_weight = float(self.world)
         config = deepspeed_config(cfg, self.world, device.type == "cuda")
@@ -150,12 +148,12 @@ class DeepSpeedOnebit:
 
             deepspeed.init_distributed(dist_backend="nccl")
             self.engine, self.optimizer, _, _ = deepspeed.initialize(
-                config=config, model=self.model, model_parameters=model.parameters()
+                config=config, model=model, model_parameters=model.parameters()
             )
         else:
             init_distributed_on_gloo()
             self.engine, self.optimizer, _, _ = initialize_on_gloo(
-                config=config, model=self.model, model_parameters=model.parameters()
+                config=config, model=model, model_parameters=model.parameters()
             )
         self.backend = self.optimizer.comm_backend_handle
 
