@@ -23,6 +23,21 @@ OPTIMIZER_STATE_BYTES_PER_PARAM = 8
 
 
 @dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """Per-sample costs of one pipeline layer (``Workload.layered``) at fp32.
+
+    ``flops_per_sample`` is forward + backward (the last layer includes the loss);
+    ``output_bytes_per_sample`` is what crosses a stage boundary after this layer,
+    forward as activations and backward as their gradient.
+    """
+
+    params: int
+    flops_per_sample: float
+    activation_bytes_per_sample: float
+    output_bytes_per_sample: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class Footprint:
     """Per-sample costs of a workload at fp32, measured at ``probe_batch`` samples."""
 
@@ -32,6 +47,19 @@ class Footprint:
     activation_bytes_per_sample: float
     # Sizes of the parameter tensors: 1-bit compression works tensor by tensor.
     param_numels: tuple[int, ...] = ()
+    # Empty when the workload cannot be cut into pipeline stages.
+    layers: tuple[LayerCost, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Footprint:
+        """Inverse of ``dataclasses.asdict`` (how a footprint travels to Ray workers)."""
+        return cls(
+            **{
+                **data,
+                "param_numels": tuple(data.get("param_numels", ())),
+                "layers": tuple(LayerCost(**c) for c in data.get("layers", ())),
+            }
+        )
 
     @property
     def static_bytes(self) -> int:
@@ -62,12 +90,46 @@ def saved_activation_bytes(params: set[int]) -> tuple[dict[int, int], Callable]:
 
 
 def _run_once(workload: Workload, batch, model: torch.nn.Module) -> tuple[float, int]:
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    result = _measure(lambda: workload.loss_fn(model, batch), {p.untyped_storage()._cdata for p in model.parameters()})
+    model.zero_grad(set_to_none=True)
+    return result
+
+
+def _measure(run: Callable[[], torch.Tensor], params: set[int]) -> tuple[float, int]:
+    """FLOPs and saved-activation bytes of ``run()`` and the backward of what it returns."""
     seen, pack = saved_activation_bytes(params)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as counter:
-        workload.loss_fn(model, batch).backward()
-    model.zero_grad(set_to_none=True)
+        run().backward()
     return float(counter.get_total_flops()), sum(seen.values())
+
+
+def layer_costs(workload: Workload, batch, probe_batch: int) -> tuple[LayerCost, ...]:
+    """Each layer measured alone on the meta device, fed what the previous layer outputs."""
+    layered = workload.layered
+    x = layered.inputs(batch)
+    layers = list(layered.layers(workload.model))
+    costs = []
+    for i, layer in enumerate(layers):
+        params = {p.untyped_storage()._cdata for p in layer.parameters()}
+        x_in = x.detach().requires_grad_(x.is_floating_point())
+        out: list[torch.Tensor] = []
+
+        def run(layer=layer, x_in=x_in, last=i == len(layers) - 1, out=out):
+            out.append(layer(x_in))
+            return layered.output_loss(out[0], layered.targets(batch)) if last else out[0].sum()
+
+        flops, act = _measure(run, params)
+        costs.append(
+            LayerCost(
+                params=sum(p.numel() for p in layer.parameters()),
+                flops_per_sample=flops / probe_batch,
+                activation_bytes_per_sample=act / probe_batch,
+                output_bytes_per_sample=out[0].numel() * out[0].element_size() / probe_batch,
+            )
+        )
+        x = out[0]
+    workload.model.zero_grad(set_to_none=True)
+    return tuple(costs)
 
 
 def measure_footprint(factory: Callable[[], Workload], probe_batch: int = 4) -> Footprint:
@@ -89,6 +151,7 @@ def measure_footprint(factory: Callable[[], Workload], probe_batch: int = 4) -> 
         dataset_samples=len(workload.dataset),
         flops_per_sample=workload.flops_per_sample or flops / probe_batch,
         activation_bytes_per_sample=act_bytes / probe_batch,
+        layers=layer_costs(workload, batch, probe_batch) if workload.layered else (),
     )
 
 

@@ -118,6 +118,7 @@ def plan_data_parallel(
         split=split if isinstance(split, str) else "weights",
         emulated=emulated,
         roles=tuple(roles),
+        predicted_compute_s=max(r.predicted_compute_s for r in roles),
         excluded=excluded,
         predicted_comm_fp32_s=comm_fp32,
         predicted_comm_s=(

@@ -3,6 +3,13 @@
 The runtime executes a Plan and never re-derives one; re-planning (after a
 restart on other devices) calls the planner again. Roles are bound to ranks by
 GPU type, not by position, because Ray Train re-orders ranks by node.
+
+A plan is a set of pipelines replicated for data parallelism. Pure data
+parallelism is the case of one-stage pipelines, one worker each. In a pipeline
+every stage holds a contiguous range of the workload's layers (``Workload.layered``)
+and all stages of one pipeline share its ``local_batch``, cut into equal
+micro-batches; pipelines may differ in stage count, layer split and types
+("virtual workers"), so gradients are averaged per layer over the pipelines.
 """
 
 from __future__ import annotations
@@ -25,6 +32,11 @@ class WorkerRole:
     predicted_compute_s: float
     predicted_memory_bytes: float
     memory_cap_bytes: int
+    pipeline: int = 0
+    stage: int = 0
+    # [first, last) of the workload's layers; None: the whole model (pure data parallelism).
+    layers: tuple[int, int] | None = None
+    activation_checkpointing: bool = False
 
     @property
     def accumulation_steps(self) -> int:
@@ -49,22 +61,33 @@ class Exclusion:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """A data-parallel plan: one role per worker, shares summing to the global batch."""
+    """One role per worker; the pipelines' local batches sum to the global batch.
+
+    ``predicted_compute_s`` is the slowest pipeline's modelled time for its
+    micro-batches including the bubble of ``schedule`` (for pure data
+    parallelism: the slowest worker's compute).
+    """
 
     global_batch: int
     split: str
     emulated: bool
     roles: tuple[WorkerRole, ...]
+    predicted_compute_s: float
     excluded: tuple[Exclusion, ...] = ()
     predicted_comm_s: float = 0.0
     predicted_comm_fp32_s: float = 0.0
+    schedule: str = "gpipe"
     explanation: str = ""
-    schema: int = field(default=1)
+    schema: int = field(default=2)
 
     @property
-    def predicted_compute_s(self) -> float:
-        """Slowest worker's modelled compute time."""
-        return max(r.predicted_compute_s for r in self.roles)
+    def num_pipelines(self) -> int:
+        return len({r.pipeline for r in self.roles})
+
+    @property
+    def is_pipelined(self) -> bool:
+        """True when any worker holds only part of the model."""
+        return any(r.layers is not None for r in self.roles)
 
     @property
     def predicted_step_s(self) -> float:
@@ -91,7 +114,10 @@ class Plan:
     def from_dict(cls, data: dict) -> Plan:
         return cls(
             **{k: v for k, v in data.items() if k not in ("roles", "excluded")},
-            roles=tuple(WorkerRole(**r) for r in data["roles"]),
+            roles=tuple(
+                WorkerRole(**{**r, "layers": tuple(r["layers"]) if r.get("layers") is not None else None})
+                for r in data["roles"]
+            ),
             excluded=tuple(Exclusion(**e) for e in data.get("excluded", ())),
         )
 

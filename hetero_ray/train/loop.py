@@ -66,7 +66,7 @@ class Window:
 def train_worker(payload: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: everything one worker does in a run."""
     cfg = RunConfig.model_validate(payload["config"])
-    footprint = Footprint(**payload["footprint"])
+    footprint = Footprint.from_dict(payload["footprint"])
     catalog = load_catalog(cfg.gpus_file)
     rank, world = dist.get_rank(), dist.get_world_size()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +11,22 @@ import torch
 from torch.utils.data import Dataset
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layered:
+    """How to cut a workload's model into pipeline stages.
+
+    ``layers(model)`` returns modules whose composition is the model:
+    ``x = inputs(batch)``, then ``x = layer(x)`` for each layer, then
+    ``output_loss(x, batch)`` is the mean loss. Each layer takes and returns one
+    tensor, which is what crosses a stage boundary.
+    """
+
+    layers: Callable[[torch.nn.Module], Sequence[torch.nn.Module]]
+    inputs: Callable[[Any], torch.Tensor]
+    targets: Callable[[Any], torch.Tensor]
+    output_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(kw_only=True)
@@ -22,12 +38,14 @@ class Workload:
     one sample; batches are built with ``torch.utils.data.default_collate``.
     ``flops_per_sample`` (forward + backward) drives emulated timing and the
     planner; when ``None`` the runtime counts it with torch's FLOP counter.
+    ``layered`` is present when the model can be cut into pipeline stages.
     """
 
     model: torch.nn.Module
     loss_fn: LossFn
     dataset: Dataset
     flops_per_sample: float | None = None
+    layered: Layered | None = None
 
 
 class WorkloadError(ValueError):

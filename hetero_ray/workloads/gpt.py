@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from hetero_ray.workloads.base import Workload
+from hetero_ray.workloads.base import Layered, Workload
 
 
 def stdlib_corpus(max_bytes: int) -> bytes:
@@ -68,28 +68,61 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class Embed(nn.Module):
+    """Token plus position embeddings: the first pipeline layer."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
+
+
+class Head(nn.Module):
+    """Final norm and vocabulary projection: the last pipeline layer."""
+
+    def __init__(self, n_embd: int, vocab_size: int):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))  # (B, T, vocab)
+
+
 class GPT(nn.Module):
     """Decoder-only transformer (nanoGPT layout, no dropout so runs are deterministic)."""
 
     def __init__(self, *, n_layer: int, n_head: int, n_embd: int, block_size: int, vocab_size: int = 256):
         super().__init__()
-        self.tok = nn.Embedding(vocab_size, n_embd)
-        self.pos = nn.Embedding(block_size, n_embd)
+        self.embed = Embed(vocab_size, block_size, n_embd)
         self.blocks = nn.Sequential(*(Block(n_embd, n_head) for _ in range(n_layer)))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.out = Head(n_embd, vocab_size)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        T = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))  # (B, T, C)
-        return self.head(self.ln_f(self.blocks(x)))  # (B, T, vocab)
+        return self.out(self.blocks(self.embed(idx)))
+
+    def layers(self) -> list[nn.Module]:
+        """Embedding, each block, head: the units a pipeline stage holds a range of."""
+        return [self.embed, *self.blocks, self.out]
+
+
+def byte_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the next byte over every position."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 def next_byte_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Mean cross-entropy of the next byte over every position of the batch."""
     x, y = batch
-    logits = model(x)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+    return byte_cross_entropy(model(x), y)
+
+
+LAYERED = Layered(
+    layers=GPT.layers, inputs=lambda batch: batch[0], targets=lambda batch: batch[1], output_loss=byte_cross_entropy
+)
 
 
 def build(
@@ -107,4 +140,9 @@ def build(
     if n_embd % n_head:
         raise ValueError(f"n_embd ({n_embd}) must be a multiple of n_head ({n_head})")
     model = GPT(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size)
-    return Workload(model=model, loss_fn=next_byte_loss, dataset=ByteWindows(stdlib_corpus(corpus_bytes), block_size))
+    return Workload(
+        model=model,
+        loss_fn=next_byte_loss,
+        dataset=ByteWindows(stdlib_corpus(corpus_bytes), block_size),
+        layered=LAYERED,
+    )
