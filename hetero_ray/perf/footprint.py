@@ -113,8 +113,9 @@ def layer_costs(workload: Workload, batch, probe_batch: int) -> tuple[LayerCost,
         params = {p.untyped_storage()._cdata for p in layer.parameters()}
         x_in = x.detach().requires_grad_(x.is_floating_point())
         out: list[torch.Tensor] = []
+        last = i == len(layers) - 1
 
-        def run(layer=layer, x_in=x_in, last=i == len(layers) - 1, out=out):
+        def run(layer=layer, x_in=x_in, last=last, out=out):
             out.append(layer(x_in))
             return layered.output_loss(out[0], layered.targets(batch)) if last else out[0].sum()
 
