@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ranks import run_ranks
 
 from hetero_ray.config import ConfigError
 from hetero_ray.train.onebit import (
@@ -39,31 +37,6 @@ BYTES_NUMELS = [2**20, 37]
 SHARES = {2: [2, 1], 4: [3, 1, 1, 2]}
 HETERO_NUMEL = 256  # a multiple of 8 x W x lcm(W, 8) for W = 2 and 4: no padding, so no padding zeros
 LOSSY_STEPS = 30
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, fn: Callable[..., dict], world: int, port: int, out: Path, args: tuple) -> None:
-    """Entry point of one spawned rank: a launcher's environment, then ``fn``, then its result to disk."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    try:
-        result = fn(rank, world, *args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    torch.save(result, out / f"rank{rank}.pt")
-
-
-def run_ranks(fn: Callable[..., dict], world: int, out: Path, *args: Any) -> list[dict]:
-    """Run ``fn(rank, world, *args)`` in ``world`` processes; each rank's returned dict, by rank."""
-    mp.spawn(_rank_main, args=(fn, world, free_port(), out, args), nprocs=world, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
 def error_buffers(numel: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -96,3 +96,64 @@ class EmulatedDevice:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
+
+
+# A backward pass costs about twice its forward (two matrix products per one).
+FORWARD_SHARE = 1 / 3
+
+
+class _Mark(torch.autograd.Function):
+    """Identity whose backward calls ``hook``: placed at a stage's output (its backward runs first)
+    and at its input (its backward runs last)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, hook) -> torch.Tensor:
+        ctx.hook = hook
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.hook()
+        return grad, None
+
+
+class PaddedModule(torch.nn.Module):
+    """A pipeline stage's layers on an emulated device: each micro-batch's forward and backward
+    padded to their modelled times (a third and two thirds of ``emu.modelled_seconds``).
+
+    The backward clock starts when the output's gradient arrives and stops when the
+    input's gradient leaves; a stage fed integer tokens starts its backward clock's end
+    after its first layer (an embedding lookup, whose backward is a cheap scatter).
+    ``busy_s`` adds up the modelled time, for utilisation.
+    """
+
+    def __init__(self, layers: torch.nn.Sequential, emu: EmulatedDevice, micro_batch: int):
+        super().__init__()
+        self.layers = layers
+        self.modelled = emu.modelled_seconds(micro_batch)
+        self.emu = emu
+        self.busy_s = 0.0
+        self._backward_started = 0.0
+
+    def _start_backward(self) -> None:
+        self._backward_started = time.perf_counter()
+
+    def _end_backward(self) -> None:
+        modelled = self.modelled * (1 - FORWARD_SHARE)
+        if not _sleep_until(self._backward_started + modelled):
+            self.emu.overrun_steps += 1
+        self.busy_s += modelled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        rest = self.layers
+        if not x.is_floating_point():
+            x, rest = self.layers[0](x), self.layers[1:]
+        if torch.is_grad_enabled() and x.requires_grad:
+            x = _Mark.apply(x, self._end_backward)
+        out = rest(x)
+        modelled = self.modelled * FORWARD_SHARE
+        if not _sleep_until(started + modelled):
+            self.emu.overrun_steps += 1
+        self.busy_s += modelled
+        return _Mark.apply(out, self._start_backward) if out.requires_grad else out

@@ -20,6 +20,8 @@ from hetero_ray.workloads.base import Workload, WorkloadError
 
 # Adam keeps two fp32 moments per parameter.
 OPTIMIZER_STATE_BYTES_PER_PARAM = 8
+# Weights and gradients in fp32, plus Adam's moments.
+STATIC_BYTES_PER_PARAM = 4 + 4 + OPTIMIZER_STATE_BYTES_PER_PARAM
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +66,7 @@ class Footprint:
     @property
     def static_bytes(self) -> int:
         """Weights, gradients and Adam moments, all fp32."""
-        return self.param_count * (4 + 4 + OPTIMIZER_STATE_BYTES_PER_PARAM)
+        return self.param_count * STATIC_BYTES_PER_PARAM
 
     def memory_bytes(self, micro_batch: int, activation_scale: float = 1.0) -> float:
         """Peak bytes on one device that runs ``micro_batch`` samples per forward pass."""

@@ -26,11 +26,12 @@ from torch.utils._pytree import tree_map
 from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.cluster.emulated_device import EmulatedDevice
 from hetero_ray.config import RunConfig
-from hetero_ray.perf.footprint import Footprint
+from hetero_ray.perf.footprint import STATIC_BYTES_PER_PARAM, Footprint
 from hetero_ray.plan.cost import link_seconds
 from hetero_ray.plan.plan import Plan, WorkerRole
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.device import torch_device, worker_gpu_type
+from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group
 from hetero_ray.train.precision import autocast
 from hetero_ray.train.prepare import plan_for
 from hetero_ray.train.sync import Synced, make_sync
@@ -73,8 +74,9 @@ def train_worker(payload: dict[str, Any]) -> None:
     gpu_type, emulated = worker_gpu_type(catalog)
     rank_types: list[str] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(rank_types, gpu_type)
-    plan = plan_for(cfg, rank_types, catalog, footprint, payload["efficiency"], emulated=emulated)
-    role = plan.roles_for(rank_types)[rank]
+    plan = _plan(payload, cfg, rank_types, catalog, footprint, emulated)
+    roles = plan.roles_for(rank_types)
+    role = roles[rank]
 
     device = torch_device(emulated)
     if emulated:
@@ -83,20 +85,36 @@ def train_worker(payload: dict[str, Any]) -> None:
     # Same seed on every rank: identical initial weights without a broadcast.
     torch.manual_seed(cfg.train.seed)
     workload = build_workload(cfg.workload.name, cfg.workload.options)
-    model = workload.model.to(device)
-    sync = make_sync(model, cfg, device, role.precision if role else None)
-    start_step, history = _restore(model, sync)
+    stage_layers = range(*role.layers) if role and role.layers else range(len(footprint.layers))
     emu = (
         EmulatedDevice(
             spec=catalog.get(gpu_type),
             precision=role.precision,
-            flops_per_sample=footprint.flops_per_sample,
+            flops_per_sample=(
+                sum(footprint.layers[i].flops_per_sample for i in stage_layers)
+                if plan.is_pipelined
+                else footprint.flops_per_sample
+            ),
             efficiency=payload["efficiency"],
             dilation=payload["dilation"],
         )
         if emulated and role
         else None
     )
+    stage, buckets = None, None
+    if plan.is_pipelined:
+        group, ranks = pipeline_group(roles, rank)
+        layers = list(workload.layered.layers(workload.model))
+        buckets = gradient_buckets(layers, roles, rank)
+        for i in stage_layers if role else ():
+            layers[i].to(device)
+        if len(ranks) > 1:
+            stage = Stage(workload, role, group, ranks, cfg.train.global_batch, device, emu)
+        model = workload.model
+    else:
+        model = workload.model.to(device)
+    sync = make_sync(model, cfg, device, role.precision if role else None, buckets)
+    start_step, history = _restore(model, sync)
     batches = GlobalBatches(len(workload.dataset), cfg.train.global_batch, cfg.train.seed)
     progress = payload.get("progress")
     link = cfg.link
@@ -104,10 +122,15 @@ def train_worker(payload: dict[str, Any]) -> None:
     window, started = Window(), time.monotonic()
     for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
-        loss_sum = _local_backward(
-            model, workload, batches.indices(step), role, cfg.train.global_batch, device, emu, footprint, sync
-        )
-        busy = emu.pad(t0, role.local_batch) if emu else time.perf_counter() - t0
+        if stage is not None:
+            cap = emu.memory_cap(stage.module, stage.static_bytes(STATIC_BYTES_PER_PARAM)) if emu else None
+            loss_sum, busy = stage.step(batches.indices(step), cap)
+            busy = busy if emu else time.perf_counter() - t0
+        else:
+            loss_sum = local_backward(
+                model, workload, batches.indices(step), role, cfg.train.global_batch, device, emu, footprint, sync
+            )
+            busy = emu.pad(t0, role.local_batch) if emu else time.perf_counter() - t0
         t1 = time.perf_counter()
         stop = rank == 0 and cfg.train.duration_s is not None and time.monotonic() - started > cfg.train.duration_s
         synced = sync.step(loss_sum, stop)
@@ -120,7 +143,8 @@ def train_worker(payload: dict[str, Any]) -> None:
             history.append((step, loss))
             save = (step + 1) % cfg.train.checkpoint_every == 0 or last
             metrics = _metrics(step, loss, window, plan, rank_types, emu, start_step, history, started)
-            _report(metrics, model, sync, history, step, plan, save=save)
+            whole = _whole_state(model, workload, sync, roles, rank, plan) if save else None
+            _report(metrics, whole, history, step, plan, save=save)
             if rank == 0 and progress is not None:
                 progress.put_nowait(metrics)
             window = Window()
@@ -128,7 +152,7 @@ def train_worker(payload: dict[str, Any]) -> None:
             break
 
 
-def _local_backward(model, workload, indices, role: WorkerRole | None, global_batch, device, emu, footprint, sync):
+def local_backward(model, workload, indices, role: WorkerRole | None, global_batch, device, emu, footprint, sync):
     """Accumulate this worker's share of the full-batch mean gradient; return its summed loss."""
     if role is None:
         return 0.0
@@ -188,15 +212,32 @@ def _metrics(step, loss, window: Window, plan: Plan, rank_types, emu, start_step
     }
 
 
-def _report(metrics, model, sync, history, step, plan: Plan, *, save: bool) -> None:
+def _plan(payload, cfg: RunConfig, rank_types, catalog, footprint, emulated: bool) -> Plan:
+    """The plan the driver chose (``--plan``) when it fits these workers, else one made for them."""
+    if payload.get("plan") is not None:
+        plan = Plan.from_dict(payload["plan"])
+        planned = [r.gpu_type for r in plan.roles] + [e.gpu_type for e in plan.excluded for _ in range(e.count)]
+        if sorted(planned) == sorted(rank_types):
+            return plan
+    return plan_for(cfg, rank_types, catalog, footprint, payload["efficiency"], emulated=emulated)
+
+
+def _whole_state(model, workload, sync, roles, rank, plan: Plan) -> tuple[dict, dict] | None:
+    """(model, optimizer) state of the whole model on rank 0; a pipelined plan gathers it from its stages."""
+    if plan.is_pipelined:
+        return gather_whole_state(model, list(workload.layered.layers(model)), sync, roles, rank)
+    return (model.state_dict(), sync.state_dict()) if rank == 0 else None
+
+
+def _report(metrics, whole: tuple[dict, dict] | None, history, step, plan: Plan, *, save: bool) -> None:
     """``ray.train.report`` on every rank; rank 0 attaches the checkpoint when one is due."""
     if not (save and dist.get_rank() == 0):
         ray.train.report(metrics)
         return
     tmp = Path(tempfile.mkdtemp(prefix="hetero-ray-ckpt-"))
     try:
-        torch.save(model.state_dict(), tmp / MODEL_FILE)
-        torch.save(sync.state_dict(), tmp / OPTIMIZER_FILE)
+        torch.save(whole[0], tmp / MODEL_FILE)
+        torch.save(whole[1], tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, "history": history, "plan": plan.to_dict()}))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
     finally:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hetero_ray.config import RunConfig
+from hetero_ray.config import ConfigError, RunConfig
 from hetero_ray.plan.cost import onebit_allreduce_bytes, ring_allreduce_bytes
 from hetero_ray.train.precision import needs_loss_scaling
 
@@ -29,60 +29,105 @@ class Synced:
     compressed: bool
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters whose gradients are summed over ``group`` of ``size`` ranks (``None``: the world)."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    params: list[torch.nn.Parameter]
+
+
 class TorchAdam:
-    """AdamW on the full-batch mean gradient, from one SUM all-reduce of flat gradients.
+    """AdamW on the full-batch mean gradient, from one SUM all-reduce of flat gradients per bucket.
 
     Each micro-batch's loss is weighted ``size / global_batch``, so the sum over
-    ranks is the full-batch mean. fp16 ranks unscale locally before the
+    the ranks holding a parameter is the full-batch mean. Data parallelism has
+    one bucket, the whole model over the world; a pipelined plan has one per set
+    of ranks holding the same layers. fp16 ranks unscale locally before the
     all-reduce (scales differ by rank), and all ranks skip a step together when any
-    gradient is not finite.
+    gradient is not finite. Optimizer state is saved by position in
+    ``model.parameters()``, so a checkpoint loads on any plan.
     """
 
     loss_weight = 1.0
 
-    def __init__(self, model: torch.nn.Module, cfg: RunConfig, device: torch.device, precision: str | None):
-        self.params = list(model.parameters())
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: RunConfig,
+        device: torch.device,
+        precision: str | None,
+        buckets: list[Bucket] | None = None,
+    ):
+        self.buckets = (
+            buckets if buckets is not None else [Bucket(None, dist.get_world_size(), list(model.parameters()))]
+        )
+        self.params = [p for b in self.buckets for p in b.params]
+        position = {id(p): i for i, p in enumerate(model.parameters())}
+        self.index = [position[id(p)] for p in self.params]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.train.lr, betas=cfg.optimizer.betas, weight_decay=cfg.train.weight_decay
         )
         self.scaler = torch.amp.GradScaler("cuda") if precision and needs_loss_scaling(precision, device) else None
+        self.device = device
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, loss_sum: float, stop: bool) -> Synced:
-        """All-reduce gradients (the loss and stop flag ride along), then update."""
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        device = grads[0].device
-        flat = torch.cat(
-            [g.reshape(-1).float() for g in grads] + [torch.tensor([loss_sum, float(stop)], device=device)]
-        )
-        dist.all_reduce(flat)
+    def _reduce(self, bucket: Bucket) -> bool:
+        """Sum the bucket's gradients over its ranks in place; whether they are all finite."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        if bucket.size > 1:
+            dist.all_reduce(flat, group=bucket.group)
         offset = 0
-        for p, g in zip(self.params, grads):
+        for p, g in zip(bucket.params, grads):
             p.grad = flat[offset : offset + g.numel()].view_as(p).to(p.dtype)
             offset += g.numel()
-        if bool(torch.isfinite(flat[:offset]).all()):
+        return bool(torch.isfinite(flat).all())
+
+    def step(self, loss_sum: float, stop: bool) -> Synced:
+        """All-reduce gradients bucket by bucket, agree on loss, stop and finiteness, then update."""
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        finite = all([self._reduce(b) for b in self.buckets])
+        world = dist.get_world_size()
+        votes = torch.tensor([loss_sum, float(stop), float(not finite)], device=self.device)
+        dist.all_reduce(votes)
+        if votes[2] == 0:
             self.optimizer.step()
         if self.scaler:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        world = dist.get_world_size()
+        summed = [b for b in self.buckets if b.size > 1]
         return Synced(
-            loss_total=float(flat[offset]),
-            stop=bool(flat[offset + 1] > 0),
-            bytes_sent=ring_allreduce_bytes(4 * flat.numel(), world),
-            messages=2 * (world - 1),
+            loss_total=float(votes[0]),
+            stop=bool(votes[1] > 0),
+            bytes_sent=sum(ring_allreduce_bytes(4 * sum(p.numel() for p in b.params), b.size) for b in summed)
+            + ring_allreduce_bytes(4 * votes.numel(), world),
+            messages=sum(2 * (b.size - 1) for b in summed) + 2 * (world - 1),
             compressed=False,
         )
 
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+        """AdamW's state keyed by position in ``model.parameters()``."""
+        state = self.optimizer.state_dict()
+        return {
+            "state": {self.index[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [self.index[i] for i in g["params"]]} for g in state["param_groups"]],
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+        """Load the entries of this rank's parameters from a whole-model state."""
+        local = {g: i for i, g in enumerate(self.index)}
+        group = state["param_groups"][0]
+        self.optimizer.load_state_dict(
+            {
+                "state": {local[g]: s for g, s in state["state"].items() if g in local},
+                "param_groups": [{**group, "params": list(range(len(self.index)))}],
+            }
+        )
 
 
 DEEPSPEED_TYPES = {"onebit_adam": "OneBitAdam", "zero_one_adam": "ZeroOneAdam"}
@@ -195,8 +240,18 @@ class DeepSpeedOnebit:
         self.optimizer.load_state_dict(state)
 
 
-def make_sync(model: torch.nn.Module, cfg: RunConfig, device: torch.device, precision: str | None):
-    """The synchroniser the config asks for."""
+def make_sync(
+    model: torch.nn.Module,
+    cfg: RunConfig,
+    device: torch.device,
+    precision: str | None,
+    buckets: list[Bucket] | None = None,
+):
+    """The synchroniser the config asks for; ``buckets`` when this rank holds part of the model."""
     if cfg.optimizer.name == "adam":
-        return TorchAdam(model, cfg, device, precision)
+        return TorchAdam(model, cfg, device, precision, buckets)
+    if buckets is not None:
+        raise ConfigError(
+            f"optimizer.name: {cfg.optimizer.name} does not run on pipelined plans yet; use adam, or a plan without stages"
+        )
     return DeepSpeedOnebit(model, cfg, device)

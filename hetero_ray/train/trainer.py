@@ -61,6 +61,7 @@ def run_training(cfg: RunConfig, prepared: Prepared | None = None, progress: Any
             "footprint": asdict(prepared.footprint),
             "efficiency": prepared.efficiency,
             "dilation": prepared.dilation,
+            "plan": prepared.plan.to_dict(),
             "progress": progress,
         },
         scaling_config=scaling,

@@ -1,0 +1,153 @@
+"""Pipelined plans executed on gloo ranks (spawned processes, no Ray): the same training as one process.
+
+Two plans, each cutting the GPT's four layers (embedding, two blocks, head) into
+pipelines of different shapes, so gradients are summed per layer over different
+sets of ranks; every plan must end where full-batch AdamW in one process ends.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import run_ranks
+
+from hetero_ray.cluster.catalog import load_catalog
+from hetero_ray.cluster.emulated_device import EmulatedDevice, PaddedModule
+from hetero_ray.config import parse_config
+from hetero_ray.plan.plan import WorkerRole
+from hetero_ray.train.data import GlobalBatches, collate
+from hetero_ray.train.loop import local_backward
+from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, layer_holders, pipeline_group
+from hetero_ray.train.sync import TorchAdam
+from hetero_ray.workloads import build_workload
+
+OPTIONS = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "corpus_bytes": 50_000}
+GLOBAL_BATCH, STEPS, SEED = 12, 6, 3
+CONFIG = {"devices": {"A100-80GB": 1}, "train": {"global_batch": GLOBAL_BATCH, "lr": 1e-3, "seed": SEED}}
+
+
+def role(pipeline: int, stage: int, layers: tuple[int, int], local: int, micro: int, offset: int) -> WorkerRole:
+    return WorkerRole(
+        gpu_type="A100-80GB",
+        local_batch=local,
+        micro_batch=micro,
+        sample_offset=offset,
+        precision="fp32",
+        predicted_compute_s=1.0,
+        predicted_memory_bytes=1.0,
+        memory_cap_bytes=1,
+        pipeline=pipeline,
+        stage=stage,
+        layers=layers,
+    )
+
+
+PLANS = {
+    # A two-stage pipeline beside one worker holding the whole model (a one-stage pipeline).
+    "two-stage + whole": [
+        role(0, 0, (0, 2), 8, 2, 0),
+        role(0, 1, (2, 4), 8, 2, 0),
+        role(1, 0, (0, 4), 4, 2, 8),
+    ],
+    # Two two-stage pipelines cut at different layers, stages listed out of rank order.
+    "cut differently": [
+        role(0, 1, (1, 4), 6, 3, 0),
+        role(1, 0, (0, 3), 6, 2, 6),
+        role(0, 0, (0, 1), 6, 3, 0),
+        role(1, 1, (3, 4), 6, 2, 6),
+    ],
+}
+
+
+def pipeline_rank(rank: int, world: int, roles: list[WorkerRole]) -> dict:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    cfg = parse_config(CONFIG)
+    torch.manual_seed(SEED)
+    workload = build_workload("gpt", OPTIONS)
+    model, cpu = workload.model, torch.device("cpu")
+    layers = list(workload.layered.layers(model))
+    group, ranks = pipeline_group(roles, rank)
+    sync = TorchAdam(model, cfg, cpu, "fp32", gradient_buckets(layers, roles, rank))
+    stage = Stage(workload, roles[rank], group, ranks, GLOBAL_BATCH, cpu, None) if len(ranks) > 1 else None
+    batches = GlobalBatches(len(workload.dataset), GLOBAL_BATCH, SEED)
+    losses = []
+    for step in range(STEPS):
+        indices = batches.indices(step)
+        if stage:
+            loss_sum, _ = stage.step(indices, None)
+        else:
+            loss_sum = local_backward(model, workload, indices, roles[rank], GLOBAL_BATCH, cpu, None, None, sync)
+        losses.append(sync.step(loss_sum, False).loss_total / GLOBAL_BATCH)
+    whole = gather_whole_state(model, layers, sync, roles, rank)
+    return {"losses": losses, "whole": whole}
+
+
+def reference() -> tuple[list[float], dict[str, torch.Tensor], dict]:
+    """One process, full global batch every step."""
+    torch.manual_seed(SEED)
+    workload = build_workload("gpt", OPTIONS)
+    opt = torch.optim.AdamW(workload.model.parameters(), lr=1e-3, weight_decay=0.0)
+    batches = GlobalBatches(len(workload.dataset), GLOBAL_BATCH, SEED)
+    losses = []
+    for step in range(STEPS):
+        loss = workload.loss_fn(workload.model, collate(workload.dataset, batches.indices(step)))
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, workload.model.state_dict(), opt.state_dict()
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return reference()
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_pipelined_plan_trains_like_one_process(name: str, expected, tmp_path) -> None:
+    roles = PLANS[name]
+    results = run_ranks(pipeline_rank, len(roles), tmp_path, roles)
+    ref_losses, ref_model, ref_optimizer = expected
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    model, optimizer = results[0]["whole"]
+    assert model.keys() == ref_model.keys()
+    assert max(float((model[k] - ref_model[k]).abs().max()) for k in model) <= 1e-5
+    # The gathered optimizer state is the one-process AdamW's, position for position.
+    assert sorted(optimizer["state"]) == sorted(ref_optimizer["state"])
+    for i, state in optimizer["state"].items():
+        assert float((state["exp_avg"] - ref_optimizer["state"][i]["exp_avg"]).abs().max()) <= 1e-6
+
+
+def test_layer_holders_name_one_rank_per_pipeline() -> None:
+    assert layer_holders(PLANS["cut differently"], 4) == [(1, 2), (0, 1), (0, 1), (0, 3)]
+    assert layer_holders(PLANS["two-stage + whole"], 4) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+def test_padded_stage_takes_its_modelled_forward_and_backward_time() -> None:
+    """A stage's micro-batch takes a third of its modelled time forward and two thirds backward."""
+    torch.manual_seed(0)
+    workload = build_workload("gpt", OPTIONS)
+    emu = EmulatedDevice(
+        spec=load_catalog().get("V100-16GB"),
+        precision="fp32",
+        flops_per_sample=3e9,
+        efficiency=0.5,
+        dilation=500.0,
+    )
+    modelled = emu.modelled_seconds(2)
+    assert 0.2 < modelled < 2, "pick flops so the padding dominates the real compute"
+    stage = PaddedModule(torch.nn.Sequential(*workload.layered.layers(workload.model)[:2]), emu, 2)
+    x = collate(workload.dataset, torch.arange(2))[0]
+    t0 = time.perf_counter()
+    out = stage(x)
+    t1 = time.perf_counter()
+    out.sum().backward()
+    t2 = time.perf_counter()
+    assert t1 - t0 == pytest.approx(modelled / 3, rel=0.1)
+    assert t2 - t1 == pytest.approx(2 * modelled / 3, rel=0.1)
+    assert stage.busy_s == pytest.approx(modelled)
