@@ -9,6 +9,8 @@ from hetero_ray.cluster.catalog import GpuSpec
 from hetero_ray.perf.footprint import Footprint
 
 HALF_PRECISIONS = ("bf16", "fp16")
+# Activation checkpointing adds one forward to forward + backward (a forward is about 1/3 of both).
+RECOMPUTE_FACTOR = 4 / 3
 
 
 def compute_seconds(spec: GpuSpec, precision: str, flops: float, efficiency: float) -> float:
@@ -74,3 +76,54 @@ def allreduce_seconds(
         sent = sum(onebit_allreduce_bytes(n, world) for n in numels)
         return link_seconds(sent, 4 * (world - 1) * len(numels), bandwidth_bytes_s, latency_s)
     return link_seconds(ring_allreduce_bytes(4 * sum(numels), world), 2 * (world - 1), bandwidth_bytes_s, latency_s)
+
+
+def stage_compute_seconds(flops: float, peak_flops: float, efficiency: float, *, checkpointing: bool) -> float:
+    """Forward + backward of ``flops`` at ``efficiency`` of ``peak_flops``.
+
+    Activation checkpointing re-runs the forward during the backward: one more
+    forward, about 1/3 of forward + backward.
+    """
+    return flops / (peak_flops * efficiency) * (RECOMPUTE_FACTOR if checkpointing else 1.0)
+
+
+def p2p_seconds(bytes_per_sample: float, micro_batch: int, bandwidth_bytes_s: float, latency_s: float) -> float:
+    """One stage-to-stage message: a micro-batch's activations (forward) or their gradient (backward)."""
+    return link_seconds(bytes_per_sample * micro_batch, 1, bandwidth_bytes_s, latency_s)
+
+
+def hierarchical_allreduce_seconds(
+    payload_bytes: float,
+    *,
+    local: int,
+    nodes: int,
+    intra: tuple[float, float],
+    inter: tuple[float, float],
+) -> float:
+    """All-reduce of ``payload_bytes`` over ``nodes`` nodes of ``local`` members each.
+
+    Intra-node reduce-scatter (each member ends with 1/local of the sum), an
+    inter-node ring all-reduce of that 1/local over the nodes (the ``local``
+    members' rings run side by side, each on its own share of the NIC), then an
+    intra-node all-gather. ``intra`` and ``inter`` are (bandwidth bytes/s per
+    direction, latency s). One node: a plain ring on the intra-node link.
+    """
+    # Reduce-scatter and all-gather within the node: (local-1)/local of the payload each, local-1 rounds each.
+    t = link_seconds(ring_allreduce_bytes(payload_bytes, local), 2 * (local - 1), *intra)
+    # All ``local`` rails share the node's NIC, so together they move one whole ring of the payload.
+    return t + link_seconds(ring_allreduce_bytes(payload_bytes, nodes), 2 * (nodes - 1), *inter)
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """Idle share of a GPipe / 1F1B step with uniform stages: (S-1)/(M+S-1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def pipeline_seconds(stage_seconds: Sequence[float], micro_batches: int) -> float:
+    """Step time of a GPipe or 1F1B pipeline whose stage s takes ``stage_seconds[s]`` per micro-batch.
+
+    The slowest stage paces the M micro-batches; the first and last of them also
+    cross every other stage once: (M-1)·max + sum. Both schedules have this bubble;
+    they differ in memory (see ``in_flight``).
+    """
+    return (micro_batches - 1) * max(stage_seconds) + sum(stage_seconds)

@@ -1,0 +1,199 @@
+"""Every plan of the search's space, for checking the search on small instances. Not used to plan.
+
+It shares with the search only the space's definition (stage counts, mixed
+compositions, node placement of stages) and the objective (``allocate`` plus
+``comm_seconds``). Stage times and memory are recomputed here from the
+per-layer costs with the scalar cost functions, every contiguous layer split and
+every checkpointing choice per stage and every micro-batch size per kind is
+tried, and only options that another option of the same kind beats on every
+term of the objective are dropped (the objective never improves when a stage
+time, a fill or a stage's parameters grow). Exponential: for a few devices and
+layers only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+from hetero_ray.cluster.catalog import Catalog
+from hetero_ray.config import ONEBIT_OPTIMIZERS
+from hetero_ray.perf.footprint import Footprint
+from hetero_ray.plan.cost import activation_scale, p2p_seconds, stage_compute_seconds
+from hetero_ray.plan.memory import in_flight, stage_memory_bytes
+from hetero_ray.plan.search import (
+    MICRO_BATCHES,
+    Group,
+    Kinds,
+    Space,
+    allocate,
+    build_space,
+    comm_seconds,
+    kind_types,
+    local_members,
+)
+from hetero_ray.plan.stages import KindSplit, workload_layers
+from hetero_ray.plan.topology import Topology
+from hetero_ray.train.precision import choose_precision
+
+
+def kind_options(
+    space: Space, stage_types: tuple[str, ...], layers, catalog: Catalog, efficiency: float, precision: str
+):
+    """Every feasible (micro-batch, split, checkpointing) of one kind, dominated ones dropped."""
+    S, L = len(stage_types), len(layers)
+    links = Kinds(space).links(stage_types)
+    specs = {t: catalog.get(t) for t in set(stage_types)}
+    precs = {t: choose_precision(specs[t], precision) for t in specs}
+    options = []
+    for m in space.micro_batches if S > 1 else (1,):
+        if m > space.global_batch:
+            continue
+        for cut in itertools.combinations(range(1, L), S - 1):
+            bounds = (0, *cut, L)
+            per_stage = []
+            for s, t in enumerate(stage_types):
+                i, j = bounds[s], bounds[s + 1]
+                span = layers[i:j]
+                scale = activation_scale(precs[t])
+                inputs = [layers[k - 1].output_bytes_per_sample if k > 0 else 0.0 for k in range(i, j)]
+                msgs = 0.0
+                if s > 0:
+                    msgs += p2p_seconds(inputs[0] * scale, m, *links[s - 1])
+                if s < S - 1:
+                    msgs += p2p_seconds(layers[j - 1].output_bytes_per_sample * scale, m, *links[s])
+                choices = []
+                for ckpt in (False, True):
+                    memory = stage_memory_bytes(
+                        sum(c.params for c in span),
+                        [c.activation_bytes_per_sample for c in span],
+                        inputs,
+                        optimizer=space.optimizer,
+                        world=2,
+                        micro_batch=m,
+                        in_flight=in_flight(space.schedule, S, S, s),
+                        scale=scale,
+                        checkpointing=ckpt,
+                    )
+                    if memory <= specs[t].memory_bytes:
+                        flops = m * sum(c.flops_per_sample for c in span)
+                        compute = stage_compute_seconds(
+                            flops, specs[t].peak_flops(precs[t]), efficiency, checkpointing=ckpt
+                        )
+                        choices.append((ckpt, compute, compute + msgs, sum(c.params for c in span)))
+                if not choices:
+                    break
+                per_stage.append(choices)
+            else:
+                for pick in itertools.product(*per_stage):
+                    options.append(
+                        KindSplit(
+                            stage_types=stage_types,
+                            micro=m,
+                            bounds=bounds,
+                            checkpointing=tuple(p[0] for p in pick),
+                            stage_seconds=tuple(p[2] for p in pick),
+                            compute_seconds=tuple(p[1] for p in pick),
+                            stage_params=tuple(p[3] for p in pick),
+                            max_micro_batches=None,
+                        )
+                    )
+    return pareto(options)
+
+
+def pareto(options: Sequence[KindSplit]) -> list[KindSplit]:
+    """Drop an option when another of the same micro-batch is no worse in pace, fill and every type's largest stage."""
+
+    def key(o: KindSplit):
+        worst = {}
+        for t, p in zip(o.stage_types, o.stage_params):
+            worst[t] = max(worst.get(t, 0), p)
+        return (o.pace, o.fill, *(worst[t] for t in sorted(worst)))
+
+    keyed = [(o.micro, key(o), o) for o in options]
+    kept = []
+    for m, k, o in keyed:
+        if not any(m2 == m and k2 != k and all(a <= b for a, b in zip(k2, k)) for m2, k2, _ in keyed):
+            if all(not (m2 == m and k2 == k) for m2, k2, _ in ((x.micro, key(x), x) for x in kept)):
+                kept.append(o)
+    return kept
+
+
+def exhaustive_best_step(
+    rank_types: Sequence[str],
+    catalog: Catalog,
+    footprint: Footprint,
+    *,
+    global_batch: int,
+    topology: Topology,
+    optimizer: str = "adam",
+    precision: str = "auto",
+    efficiency: float = 0.4,
+    schedule: str = "1f1b",
+    max_stages: int = 8,
+    micro_batches: Sequence[int] = MICRO_BATCHES,
+) -> float:
+    """The shortest predicted step over every plan of the space (``inf`` if none fits)."""
+    space = build_space(
+        rank_types,
+        catalog,
+        footprint,
+        global_batch=global_batch,
+        topology=topology,
+        optimizer=optimizer,
+        precision=precision,
+        efficiency=efficiency,
+        schedule=schedule,
+        max_stages=max_stages,
+        micro_batches=micro_batches,
+        seconds_per_sample=None,
+    )
+    layers = workload_layers(footprint)
+    cache: dict[tuple[str, ...], list[KindSplit]] = {}
+
+    def options(types):
+        if types not in cache:
+            cache[types] = kind_options(space, types, layers, catalog, efficiency, precision)
+        return cache[types]
+
+    best = math.inf
+    for mixed in [None, *space.mixed_compositions()]:
+        left = dict(space.counts)
+        fixed = []
+        if mixed is not None:
+            types = kind_types(mixed, space.order)
+            if not options(types):
+                continue
+            r = min(space.counts[t] // c for t, c in mixed.items())
+            fixed.append((types, r))
+            for t, c in mixed.items():
+                left[t] -= r * c
+        per_type = [[s for s in space.stage_options(t, left[t]) if s == 0 or options((t,) * s)] for t in space.order]
+        for choice in itertools.product(*per_type):
+            kinds = fixed + [((t,) * s, left[t] // s) for t, s in zip(space.order, choice) if s]
+            if not kinds:
+                continue
+            for picks in itertools.product(*(options(types) for types, _ in kinds)):
+                groups = [
+                    Group(
+                        split=split,
+                        replicas=r,
+                        local=local_members(space, types, r),
+                        dp_micro_cap=1,
+                        unit=split.micro if len(types) > 1 else 1,
+                    )
+                    for (types, r), split in zip(kinds, picks)
+                ]
+                alloc = allocate(space.global_batch, groups)
+                if alloc is None:
+                    continue
+                comm = comm_seconds(
+                    groups,
+                    space.topology,
+                    compressed=space.optimizer in ONEBIT_OPTIMIZERS,
+                    layers=space.layers,
+                    tensors=space.tensors,
+                )
+                best = min(best, alloc.seconds + comm)
+    return best

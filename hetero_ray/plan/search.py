@@ -1,0 +1,533 @@
+"""The placement planner: pipelines of GPU-type stages, replicated for data parallelism.
+
+Entry point: ``plan(rank_types, catalog, footprint, global_batch=..., topology=...)``
+returns the ``top_k`` feasible plans, best (shortest predicted step) first, or
+``Infeasible`` naming the smallest memory shortfall in the space.
+
+The plan space (the exhaustive enumerator in ``plan/exhaustive.py`` walks the
+same one): devices of one type are interchangeable, so a plan is a *shape* —
+ - at most one mixed "virtual worker" kind: a pipeline with c_t stages of each
+   type t in a subset of ≥ 2 types (c_t a power of two, Σ c_t ≤ max_stages, types
+   ordered by memory, then speed), replicated r = min_t ⌊n_t / c_t⌋ times;
+ - for every type, the devices left over form ⌊n / S_t⌋ replicas of an S_t-stage
+   pipeline of that type alone, S_t ∈ {0 (type unused), 1 (data parallel), 2, 4, 8, …};
+ - for each kind: a contiguous split of the L layers, activation checkpointing per
+   stage, and one micro-batch size per kind (the candidate with the shortest
+   time for a pipeline's even share of the batch);
+ - the global batch split over pipelines in micro-batches, minimising the slowest
+   pipeline (``allocate``); precision per type from ``choose_precision``
+   (half precision is faster and smaller wherever the card has it).
+Step = slowest pipeline's (M-1)·max_stage + Σ stages (stage times include their
+stage-to-stage messages) + the gradient all-reduce (hierarchical, or 1-bit compressed).
+
+Complexity: with T types, L layers and S = max_stages, there are
+O(T·log S) single-type kinds and O(C) mixed kinds (C ≤ (log₂S+1)^T compositions),
+each split once per micro-batch candidate by an O(S·L²) dynamic programme (numpy),
+then O(C · (log₂S+2)^T) shapes, each bounded in O(T) (a relaxed batch split plus
+its exact communication). Shapes are evaluated exactly (O(P log P) for P pipelines)
+in bound order until the bound passes the k-th best (branch and bound, exact over
+the space). Nothing grows with the number of GPUs except that last exact
+allocation of a few shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from hetero_ray.cluster.catalog import Catalog
+from hetero_ray.config import ONEBIT_OPTIMIZERS
+from hetero_ray.perf.footprint import Footprint
+from hetero_ray.plan.cost import allreduce_seconds, hierarchical_allreduce_seconds
+from hetero_ray.plan.memory import SCHEDULES
+from hetero_ray.plan.plan import Infeasible, Plan
+from hetero_ray.plan.stages import (
+    KindSplit,
+    SecondsPerSample,
+    TypeTable,
+    min_shortfall,
+    split_kind,
+    stage_links,
+    type_table,
+    workload_layers,
+)
+from hetero_ray.plan.topology import Topology
+
+GiB = 2**30
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    """``replicas`` identical pipelines of one kind in a plan."""
+
+    split: KindSplit
+    replicas: int
+    local: tuple[int, ...]  # per stage: members of its data-parallel group on one node
+    dp_micro_cap: int  # one-stage kinds: the largest micro-batch that fits
+    unit: int  # samples per allocation unit: a micro-batch for pipelines, one sample for data parallelism
+
+    @functools.cached_property
+    def bound_terms(self) -> tuple[float, float, float, float]:
+        """(samples per round of units, their rate, their offset, fill) for ``allocation_bound``."""
+        ru = self.replicas * self.unit
+        return ru, ru / self.split.pace, ru * self.split.fill / self.split.pace, self.split.fill
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Micro-batches (units) per pipeline of each group, and the slowest pipeline's time."""
+
+    units: tuple[tuple[int, ...], ...]
+    seconds: float
+
+
+def pipeline_time(split: KindSplit, units: int) -> float:
+    """(M-1)·X + Y; for data parallelism X = Y = seconds per sample, so it is units × that."""
+    return (units - 1) * split.pace + split.fill
+
+
+def allocate(global_batch: int, groups: Sequence[Group]) -> Allocation | None:
+    """Units per pipeline summing to ``global_batch`` samples, minimising the slowest pipeline.
+
+    Every pipeline gets at least one unit. The smallest time τ whose capacity
+    reaches the batch is found by raising groups one unit at a time from the
+    continuous bound; the excess is then taken back one unit at a time from the
+    slowest pipelines. ``None`` when the batch is smaller
+    than one unit per pipeline, above what GPipe memory allows, or cannot be hit
+    exactly with the groups' micro-batch sizes.
+    """
+    if sum(g.replicas * g.unit for g in groups) > global_batch:
+        return None
+    caps = [g.split.max_micro_batches or (1 << 40) for g in groups]
+    if sum(g.replicas * g.unit * c for g, c in zip(groups, caps)) < global_batch:
+        return None
+
+    def units_at(tau: float) -> list[int]:
+        return [
+            max(1, min(cap, math.floor((tau - g.split.fill) / g.split.pace) + 1)) if tau >= g.split.fill else 1
+            for g, cap in zip(groups, caps)
+        ]
+
+    def capacity(units: list[int]) -> int:
+        return sum(g.replicas * g.unit * u for g, u in zip(groups, units))
+
+    # From the continuous bound, raise the group whose next unit finishes first until the batch fits:
+    # every group then runs as many units as fit under the smallest sufficient time.
+    units = units_at(allocation_bound(global_batch, groups) * (1 - 1e-9))
+    while capacity(units) < global_batch:
+        k = min(
+            (k for k in range(len(groups)) if units[k] < caps[k]),
+            key=lambda k: pipeline_time(groups[k].split, units[k] + 1),
+        )
+        units[k] += 1
+    per_pipe = [[u] * g.replicas for g, u in zip(groups, units)]
+    excess = capacity(units) - global_batch
+    # Slowest first; a pipeline whose unit exceeds the excess is passed over.
+    heap = [
+        (-pipeline_time(g.split, u), gi, p) for gi, (g, u) in enumerate(zip(groups, units)) for p in range(g.replicas)
+    ]
+    heapq.heapify(heap)
+    while excess > 0 and heap:
+        _, gi, p = heapq.heappop(heap)
+        g = groups[gi]
+        if g.unit <= excess and per_pipe[gi][p] > 1:
+            per_pipe[gi][p] -= 1
+            excess -= g.unit
+            heapq.heappush(heap, (-pipeline_time(g.split, per_pipe[gi][p]), gi, p))
+    if excess:
+        return None
+    seconds = max(pipeline_time(g.split, u) for g, pipes in zip(groups, per_pipe) for u in set(pipes))
+    return Allocation(units=tuple(tuple(p) for p in per_pipe), seconds=seconds)
+
+
+def allocation_bound(global_batch: int, groups: Sequence[Group]) -> float:
+    """A lower bound on ``allocate``'s time: the batch split continuously, every pipeline busy ≥ one unit."""
+    ru, rate, offset, fill = zip(*(g.bound_terms for g in groups))
+    return max(max(fill), (global_batch - sum(ru) + sum(offset)) / sum(rate))
+
+
+def stage_numels(split: KindSplit, stage: int, layers: int, tensors: int) -> list[int]:
+    """Parameter tensors of a stage, for 1-bit pricing (tensor by tensor): its share of the model's tensors."""
+    i, j = split.bounds[stage], split.bounds[stage + 1]
+    k = max(1, round(tensors * (j - i) / layers))
+    return [max(1, split.stage_params[stage] // k)] * k
+
+
+def comm_seconds(groups: Sequence[Group], topology: Topology, *, compressed: bool, layers: int, tensors: int) -> float:
+    """Gradient synchronisation per step: the slowest device's all-reduce of its stage's gradients.
+
+    Each layer's gradient is averaged over the P pipelines. The members of a
+    stage's group sit ``local`` to a node; the group spans the nodes of all
+    groups. fp32: hierarchical (intra-node reduce-scatter, inter-node ring,
+    intra-node all-gather). 1-bit compressed: DeepSpeed's flat algorithm, tensor
+    by tensor, on the slowest link it crosses.
+    """
+    pipelines = sum(g.replicas for g in groups)
+    if pipelines <= 1:
+        return 0.0
+    nodes = sum(-(-g.replicas // min(g.local)) for g in groups)
+    inter = topology.inter({t for g in groups for t in g.split.stage_types})
+    return max(
+        group_comm_seconds(g, topology, pipelines, nodes, inter, compressed=compressed, layers=layers, tensors=tensors)
+        for g in groups
+    )
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def group_comm_seconds(
+    g: Group, topology: Topology, pipelines: int, nodes: int, inter: tuple[float, float], **kw
+) -> float:
+    """The slowest all-reduce among one group's devices (see ``comm_seconds``)."""
+    worst = 0.0
+    # A larger payload never syncs faster on the same links: the largest stage of each type decides.
+    for s, t in largest_stage_per_type(g.split):
+        intra = topology.intra(t)
+        if kw["compressed"]:
+            link = inter if nodes > 1 else intra
+            numels = stage_numels(g.split, s, kw["layers"], kw["tensors"])
+            seconds = allreduce_seconds(numels, pipelines, *link, compressed=True)
+        else:
+            local = pipelines if nodes == 1 else g.local[s]
+            payload = 4.0 * g.split.stage_params[s]
+            seconds = hierarchical_allreduce_seconds(payload, local=local, nodes=nodes, intra=intra, inter=inter)
+        worst = max(worst, seconds)
+    return worst
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def largest_stage_per_type(split: KindSplit) -> tuple[tuple[int, str], ...]:
+    """(stage, type) of the stage holding most parameters, for each type of the kind."""
+    best: dict[str, int] = {}
+    for s, t in enumerate(split.stage_types):
+        if t not in best or split.stage_params[s] > split.stage_params[best[t]]:
+            best[t] = s
+    return tuple((s, t) for t, s in best.items())
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One point of the plan space before the batch is split: groups and their communication."""
+
+    groups: tuple[Group, ...]
+    excluded: tuple[tuple[str, int], ...]
+    comm_s: float
+    comm_fp32_s: float
+    bound: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Space:
+    """Everything the shapes of one planning problem share."""
+
+    counts: dict[str, int]
+    order: tuple[str, ...]  # types by memory, then speed: the stage order of mixed kinds
+    tables: dict[str, TypeTable]
+    topology: Topology
+    global_batch: int
+    schedule: str
+    optimizer: str
+    max_stages: int
+    micro_batches: tuple[int, ...]
+    layers: int
+    tensors: int
+
+    def stage_options(self, gpu_type: str, available: int) -> list[int]:
+        """Stage counts a single-type pipeline of ``gpu_type`` may have with ``available`` devices (0: unused)."""
+        return [0] + [s for s in powers_of_two(min(self.max_stages, self.layers)) if s <= available]
+
+    def mixed_compositions(self) -> list[dict[str, int]]:
+        """Stages per type of every mixed kind: ≥ 2 types, powers of two, at most max_stages in all."""
+        out = []
+        per_type = powers_of_two(self.max_stages)
+        for k in range(2, len(self.order) + 1):
+            for subset in itertools.combinations(self.order, k):
+                for c in itertools.product(per_type, repeat=k):
+                    if sum(c) <= min(self.max_stages, self.layers) and all(
+                        ci <= self.counts[t] for ci, t in zip(c, subset)
+                    ):
+                        out.append(dict(zip(subset, c)))
+        return out
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if (1 << i) <= limit]
+
+
+def kind_types(composition: Mapping[str, int], order: Sequence[str]) -> tuple[str, ...]:
+    return tuple(t for t in order for _ in range(composition.get(t, 0)))
+
+
+class Kinds:
+    """Split each pipeline kind once, at the micro-batch the kind's even share of the batch prefers."""
+
+    def __init__(self, space: Space):
+        self.space = space
+        self._cache: dict[tuple[str, ...], KindSplit | None] = {}
+
+    def links(self, stage_types: tuple[str, ...]) -> list:
+        topo = self.space.topology
+        intra = {t: topo.intra(t) for t in set(stage_types)}
+        return stage_links(stage_types, intra, topo.inter(set(stage_types)), lambda t: topo.node(t).gpus_per_node)
+
+    def candidates(self, stage_types: tuple[str, ...]) -> list[KindSplit]:
+        """The best split at every micro-batch candidate that fits (one-stage kinds: micro-batch 1)."""
+        sp = self.space
+        micros = sp.micro_batches if len(stage_types) > 1 else (1,)
+        links = self.links(stage_types)
+        out = []
+        for m in micros:
+            if m > sp.global_batch:
+                break
+            split = split_kind(
+                stage_types, sp.tables, micro=m, schedule=sp.schedule, optimizer=sp.optimizer, links=links
+            )
+            if split is None:
+                break  # a larger micro-batch needs more memory still
+            out.append(split)
+        return out
+
+    def get(self, stage_types: tuple[str, ...]) -> KindSplit | None:
+        if stage_types not in self._cache:
+            self._cache[stage_types] = choose_micro(self.candidates(stage_types), self.share(stage_types))
+        return self._cache[stage_types]
+
+    def share(self, stage_types: tuple[str, ...]) -> float:
+        """Samples one pipeline of this kind would get if every device ran this many stages."""
+        devices = sum(self.space.counts.values())
+        return self.space.global_batch * len(stage_types) / devices
+
+
+def choose_micro(splits: Sequence[KindSplit], share: float) -> KindSplit | None:
+    """The split whose pipeline runs ``share`` samples (rounded to its micro-batch) fastest per sample."""
+    best, best_rate = None, math.inf
+    for s in splits:
+        units = max(1, round(share / s.micro))
+        rate = pipeline_time(s, units) / (units * s.micro)
+        if rate < best_rate * (1 - 1e-12):
+            best, best_rate = s, rate
+    return best
+
+
+def dp_micro_cap(table: TypeTable, split: KindSplit, optimizer: str) -> int:
+    """Largest micro-batch a data-parallel device can run with its checkpointing choice."""
+    from hetero_ray.plan.stages import gpipe_max_micro_batches
+
+    # A one-stage pipeline holding m samples is GPipe with m micro-batches of one.
+    return max(1, gpipe_max_micro_batches(table, 0, split.bounds[-1], 1, optimizer, split.checkpointing[0]))
+
+
+def local_members(space: Space, stage_types: tuple[str, ...], replicas: int) -> tuple[int, ...]:
+    """Per stage: how many of its replicas share a node (nodes hold whole same-type runs of a pipeline)."""
+    out = []
+    for t in stage_types:
+        run = stage_types.count(t)
+        out.append(max(1, min(replicas, space.topology.node(t).gpus_per_node // run)))
+    return tuple(out)
+
+
+def shapes(space: Space, kinds: Kinds):
+    """Every shape of the plan space whose kinds fit in memory: (groups, unused devices per type)."""
+    for mixed in [None, *space.mixed_compositions()]:
+        left = dict(space.counts)
+        fixed: list[tuple[tuple[str, ...], int]] = []
+        if mixed is not None:
+            types = kind_types(mixed, space.order)
+            if kinds.get(types) is None:
+                continue
+            r = min(space.counts[t] // c for t, c in mixed.items())
+            fixed.append((types, r))
+            for t, c in mixed.items():
+                left[t] -= r * c
+        options = []
+        for t in space.order:
+            opts = [s for s in space.stage_options(t, left[t]) if s == 0 or kinds.get((t,) * s) is not None]
+            options.append(opts)
+        for choice in itertools.product(*options):
+            groups = list(fixed)
+            unused = []
+            for t, s in zip(space.order, choice):
+                used = (left[t] // s) * s if s else 0
+                if s:
+                    groups.append(((t,) * s, left[t] // s))
+                if left[t] - used:
+                    unused.append((t, left[t] - used))
+            if groups:
+                yield groups, tuple(unused)
+
+
+def make_group(space: Space, kinds: Kinds, types: tuple[str, ...], replicas: int) -> Group:
+    split = kinds.get(types)
+    cap = dp_micro_cap(space.tables[types[0]], split, space.optimizer) if len(types) == 1 else split.micro
+    return Group(
+        split=split,
+        replicas=replicas,
+        local=local_members(space, types, replicas),
+        dp_micro_cap=cap,
+        unit=split.micro if len(types) > 1 else 1,
+    )
+
+
+def shape_comm(space: Space, groups: Sequence[Group]) -> tuple[float, float]:
+    """(communication priced for the optimizer, fp32 communication) of a shape."""
+    kw = dict(layers=space.layers, tensors=space.tensors)
+    fp32 = comm_seconds(groups, space.topology, compressed=False, **kw)
+    if space.optimizer in ONEBIT_OPTIMIZERS:
+        return comm_seconds(groups, space.topology, compressed=True, **kw), fp32
+    return fp32, fp32
+
+
+def build_space(
+    rank_types: Sequence[str],
+    catalog: Catalog,
+    footprint: Footprint,
+    *,
+    global_batch: int,
+    topology: Topology,
+    optimizer: str,
+    precision: str,
+    efficiency: float,
+    schedule: str,
+    max_stages: int,
+    micro_batches: Sequence[int],
+    seconds_per_sample: SecondsPerSample | None,
+) -> Space:
+    """Validate the inputs and tabulate every type's layer costs."""
+    if global_batch < 1:
+        raise ValueError(f"global_batch: must be >= 1 (got {global_batch})")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if max_stages < 1:
+        raise ValueError(f"max_stages: must be >= 1 (got {max_stages})")
+    if not rank_types:
+        raise ValueError("devices: no devices to plan for; give at least one GPU")
+    counts = dict(Counter(rank_types))
+    layers = workload_layers(footprint)
+    tables = {
+        t: type_table(
+            t, catalog, layers, precision=precision, efficiency=efficiency, seconds_per_sample=seconds_per_sample
+        )
+        for t in counts
+    }
+    for t in counts:
+        topology.node(t)
+    order = tuple(sorted(counts, key=lambda t: (-tables[t].cap_bytes, tables[t].seconds_per_flop, t)))
+    return Space(
+        counts=counts,
+        order=order,
+        tables=tables,
+        topology=topology,
+        global_batch=global_batch,
+        schedule=schedule,
+        optimizer=optimizer,
+        max_stages=max_stages,
+        micro_batches=tuple(sorted(set(micro_batches))),
+        layers=len(layers),
+        tensors=len(footprint.param_numels) or len(layers),
+    )
+
+
+def plan(
+    rank_types: Sequence[str],
+    catalog: Catalog,
+    footprint: Footprint,
+    *,
+    global_batch: int,
+    topology: Topology,
+    optimizer: str = "adam",
+    precision: str = "auto",
+    efficiency: float = 0.4,
+    emulated: bool = False,
+    schedule: str = "1f1b",
+    max_stages: int = 8,
+    micro_batches: Sequence[int] = MICRO_BATCHES,
+    seconds_per_sample: SecondsPerSample | None = None,
+    top_k: int = 5,
+) -> list[Plan] | Infeasible:
+    """The ``top_k`` best plans for workers of ``rank_types`` (one GPU type per worker), best first.
+
+    ``topology`` places the workers on nodes and prices links; ``optimizer``
+    (``adam``, ``onebit_adam``, ``zero_one_adam``) sizes optimizer state and, for
+    the 1-bit ones, prices the compressed phase; ``seconds_per_sample`` overrides
+    the FLOPs-based speed of a type with a measured one. Raises ``ValueError``
+    (one line) on bad input; returns ``Infeasible`` when no plan of the space fits.
+    """
+    space = build_space(
+        rank_types,
+        catalog,
+        footprint,
+        global_batch=global_batch,
+        topology=topology,
+        optimizer=optimizer,
+        precision=precision,
+        efficiency=efficiency,
+        schedule=schedule,
+        max_stages=max_stages,
+        micro_batches=micro_batches,
+        seconds_per_sample=seconds_per_sample,
+    )
+    kinds = Kinds(space)
+    made: dict[tuple[tuple[str, ...], int], Group] = {}
+    candidates = []  # (compute bound, groups, unused)
+    for groups, unused in shapes(space, kinds):
+        gs = tuple(made.get(k) or made.setdefault(k, make_group(space, kinds, *k)) for k in groups)
+        if sum(g.replicas * g.unit for g in gs) <= space.global_batch:
+            candidates.append((allocation_bound(space.global_batch, gs), gs, unused))
+    if not candidates:
+        return Infeasible(infeasible_reason(space))
+    # Branch and bound: shapes in order of their compute bound; communication is exact, so a
+    # shape whose bound plus communication passes the k-th best step is skipped, and the
+    # walk stops once the compute bound alone passes it.
+    candidates.sort(key=lambda c: c[0])
+    best: list[tuple[float, int, Shape, Allocation]] = []  # max-heap of the top_k by step time
+    for i, (bound, gs, unused) in enumerate(candidates):
+        kth = -best[0][0] if len(best) == top_k else math.inf
+        if bound >= kth:
+            break
+        comm, fp32 = shape_comm(space, gs)
+        if bound + comm >= kth:
+            continue
+        alloc = allocate(space.global_batch, gs)
+        if alloc is None:
+            continue
+        step = alloc.seconds + comm
+        shape = Shape(groups=gs, excluded=unused, comm_s=comm, comm_fp32_s=fp32, bound=bound + comm)
+        if len(best) < top_k:
+            heapq.heappush(best, (-step, -i, shape, alloc))
+        elif step < kth:
+            heapq.heapreplace(best, (-step, -i, shape, alloc))
+    if not best:
+        return Infeasible(
+            f"global batch {global_batch} cannot be split over any plan's pipelines in whole micro-batches; "
+            f"use a larger global batch (a multiple of {max(space.micro_batches)})"
+        )
+    ranked = sorted(best, key=lambda b: (-b[0], -b[1]))
+    # Imported here: explain builds on this module's types.
+    from hetero_ray.plan.explain import build_plan
+
+    return [build_plan(space, shape, alloc, emulated=emulated) for _, _, shape, alloc in ranked]
+
+
+def infeasible_reason(space: Space) -> str:
+    """One line: the smallest memory shortfall over the space's kinds, or why the batch cannot be split."""
+    kinds = [(t,) * s for t in space.order for s in powers_of_two(min(space.max_stages, space.layers, space.counts[t]))]
+    kinds += [kind_types(c, space.order) for c in space.mixed_compositions()]
+    short, gpu_type, need, types = min((*min_shortfall(types, space.tables, space.optimizer), types) for types in kinds)
+    if short > 0:
+        cap = space.tables[gpu_type].cap_bytes
+        layout = ", ".join(f"{types.count(t)} × {t}" for t in dict.fromkeys(types))
+        return (
+            f"model needs {need / GiB:.1f} GiB per device at micro-batch 1 in the closest plan "
+            f"({len(types)} pipeline stage{'s' * (len(types) > 1)}: {layout}, activation checkpointing); "
+            f"its {gpu_type} has {cap / GiB:g} GiB; add devices with more memory or allow more stages "
+            f"(max_stages is {space.max_stages})"
+        )
+    return (
+        f"global batch {space.global_batch} is smaller than the pipelines of every plan that fits "
+        "(each needs at least one micro-batch); use a larger global batch"
+    )

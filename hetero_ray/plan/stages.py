@@ -1,0 +1,329 @@
+"""Pipeline kinds: an ordered list of stage GPU types, its best layer split, and its cost per micro-batch.
+
+A *kind* is one pipeline shape (``("A100-80GB", "V100-16GB", "V100-16GB")``)
+replicated for data parallelism. Its split of the L layers into contiguous
+stages minimises the slowest stage's time per micro-batch (what paces the
+pipeline), ties broken by the sum of stage times (the fill and drain), subject
+to every stage fitting its device's memory. Each stage takes activation
+checkpointing only when it does not fit without (checkpointing only costs time).
+
+The split is a dynamic programme over (stage, last layer): O(S · L²) work per
+kind, done as S numpy reductions over L × L cost matrices.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetero_ray.cluster.catalog import Catalog
+from hetero_ray.config import ONEBIT_OPTIMIZERS
+from hetero_ray.perf.footprint import Footprint, LayerCost
+from hetero_ray.plan.cost import RECOMPUTE_FACTOR, activation_scale
+from hetero_ray.plan.memory import ADAM_STATE_BYTES, WEIGHT_AND_GRAD_BYTES, in_flight
+from hetero_ray.train.precision import choose_precision
+
+# Measured seconds per sample (forward + backward of the whole model) by (GPU type, precision),
+# e.g. from the profiler's history; overrides FLOPs ÷ (peak × efficiency) where it answers.
+SecondsPerSample = Callable[[str, str], float | None] | Mapping[str, float]
+# (bandwidth bytes/s, latency s)
+Link = tuple[float, float]
+
+
+def workload_layers(footprint: Footprint) -> tuple[LayerCost, ...]:
+    """The footprint's layers, or the whole model as one layer when it cannot be cut."""
+    if footprint.layers:
+        return footprint.layers
+    return (
+        LayerCost(
+            params=footprint.param_count,
+            flops_per_sample=footprint.flops_per_sample,
+            activation_bytes_per_sample=footprint.activation_bytes_per_sample,
+            output_bytes_per_sample=0.0,
+        ),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class TypeTable:
+    """Prefix sums over layers for one GPU type at its precision: the inputs of every stage cost."""
+
+    gpu_type: str
+    precision: str
+    scale: float  # saved activations and messages shrink in half precision
+    seconds_per_flop: float
+    cap_bytes: float
+    flops: np.ndarray  # prefix sums, length L + 1
+    act: np.ndarray
+    inputs: np.ndarray  # input bytes of each layer (the previous layer's output), prefix sums
+    params: np.ndarray
+    out: np.ndarray  # output bytes per sample after layer l, length L
+    max_act: np.ndarray  # max_act[i, j]: largest layer activation in [i, j)
+
+
+def type_table(
+    gpu_type: str,
+    catalog: Catalog,
+    layers: tuple[LayerCost, ...],
+    *,
+    precision: str,
+    efficiency: float,
+    seconds_per_sample: SecondsPerSample | None,
+) -> TypeTable:
+    """Per-layer costs of ``layers`` on ``gpu_type``, as prefix sums."""
+    spec = catalog.get(gpu_type)
+    prec = choose_precision(spec, precision)
+    total_flops = sum(c.flops_per_sample for c in layers)
+    measured = None
+    if callable(seconds_per_sample):
+        measured = seconds_per_sample(gpu_type, prec)
+    elif seconds_per_sample is not None:
+        measured = seconds_per_sample.get(gpu_type)
+    spf = measured / total_flops if measured else 1.0 / (spec.peak_flops(prec) * efficiency)
+    act = np.array([c.activation_bytes_per_sample for c in layers], dtype=float)
+    out = np.array([c.output_bytes_per_sample for c in layers], dtype=float)
+    n = len(layers)
+    max_act = np.zeros((n + 1, n + 1))
+    for i in range(n):
+        max_act[i, i + 1 :] = np.maximum.accumulate(act[i:])
+    return TypeTable(
+        gpu_type=gpu_type,
+        precision=prec,
+        scale=activation_scale(prec),
+        seconds_per_flop=spf,
+        cap_bytes=float(spec.memory_bytes),
+        flops=np.concatenate([[0.0], np.cumsum([c.flops_per_sample for c in layers])]),
+        act=np.concatenate([[0.0], np.cumsum(act)]),
+        inputs=np.concatenate([[0.0], np.cumsum(np.concatenate([[0.0], out[:-1]]))]),
+        params=np.concatenate([[0.0], np.cumsum([float(c.params) for c in layers])]),
+        out=out,
+        max_act=max_act,
+    )
+
+
+def static_matrix(params: np.ndarray, optimizer: str, world: int) -> np.ndarray:
+    """``memory.static_bytes`` for every range's parameter count (vectorised)."""
+    total = params * (WEIGHT_AND_GRAD_BYTES + ADAM_STATE_BYTES)
+    if optimizer in ONEBIT_OPTIMIZERS:
+        w = max(world, 1)
+        multiple = w * math.lcm(w, 8)
+        padded = np.ceil(params / multiple) * multiple
+        total = total + 4 * padded + 4 * np.floor(padded / w)
+    return total
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Time per micro-batch (inf where it does not fit) and the checkpointing choice of every layer range."""
+
+    seconds: np.ndarray  # [i, j], compute plus stage-to-stage messages
+    compute: np.ndarray  # [i, j], compute only
+    checkpointing: np.ndarray  # [i, j] bool
+    shortfall: np.ndarray  # [i, j], bytes over the cap with checkpointing (<= 0 fits)
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_cost(
+    table: TypeTable,
+    *,
+    micro: int,
+    flight: int,
+    optimizer: str,
+    world: int,
+    link_in: Link | None,
+    link_out: Link | None,
+) -> StageCost:
+    """Cost of holding layers [i, j) as one stage of ``table``'s type, for every (i, j)."""
+    p = table.params[None, :] - table.params[:, None]
+    static = static_matrix(p, optimizer, world)
+    act = (table.act[None, :] - table.act[:, None]) * table.scale * flight * micro
+    kept = (table.inputs[None, :] - table.inputs[:, None]) * flight * micro + micro * table.max_act
+    mem_plain = static + act
+    mem_ckpt = static + kept * table.scale
+    compute = (table.flops[None, :] - table.flops[:, None]) * table.seconds_per_flop * micro
+    n = len(table.out)
+    idx = np.arange(n + 1)
+    valid = idx[None, :] > idx[:, None]
+    plain = valid & (mem_plain <= table.cap_bytes)
+    ckpt = valid & ~plain & (mem_ckpt <= table.cap_bytes)
+    compute = np.where(ckpt, compute * RECOMPUTE_FACTOR, compute)
+    seconds = compute.copy()
+    # Messages: the backward sends the input's gradient to the previous stage, the forward
+    # sends the output to the next one; each is priced on the sending stage.
+    if link_in is not None:
+        prev_out = np.concatenate([[0.0], table.out])  # output bytes of layer i-1
+        seconds = seconds + (micro * prev_out * table.scale / link_in[0] + link_in[1])[:, None]
+    if link_out is not None:
+        last_out = np.concatenate([[0.0], table.out])  # output bytes of layer j-1
+        seconds = seconds + (micro * last_out * table.scale / link_out[0] + link_out[1])[None, :]
+    seconds = np.where(plain | ckpt, seconds, np.inf)
+    return StageCost(
+        seconds=seconds,
+        compute=compute,
+        checkpointing=ckpt,
+        shortfall=np.where(valid, mem_ckpt - table.cap_bytes, np.inf),
+    )
+
+
+def min_max_split(costs: list[np.ndarray]) -> tuple[int, ...] | None:
+    """Boundaries 0 = b0 < b1 < ... < bS = L minimising max_s costs[s][b_s, b_s+1], ties by the sum.
+
+    ``None`` when every split has an infinite stage.
+    """
+    n = costs[0].shape[0] - 1
+    worst = costs[0][0, :].copy()
+    total = worst.copy()
+    back = []
+    for c in costs[1:]:
+        vals = np.maximum(worst[:, None], c)
+        best = vals.min(axis=0)
+        tie = vals <= best[None, :] * (1 + 1e-12)
+        sums = np.where(tie, total[:, None] + c, np.inf)
+        arg = sums.argmin(axis=0)
+        back.append(arg)
+        worst, total = best, sums[arg, np.arange(n + 1)]
+    if not np.isfinite(worst[n]):
+        return None
+    bounds = [n]
+    for arg in reversed(back):
+        bounds.append(int(arg[bounds[-1]]))
+    bounds.append(0)
+    return tuple(reversed(bounds))
+
+
+@dataclass(frozen=True, eq=False)
+class KindSplit:
+    """The best split of one pipeline kind at one micro-batch size."""
+
+    stage_types: tuple[str, ...]
+    micro: int
+    bounds: tuple[int, ...]
+    checkpointing: tuple[bool, ...]
+    stage_seconds: tuple[float, ...]  # per micro-batch, with messages
+    compute_seconds: tuple[float, ...]  # per micro-batch, compute only
+    stage_params: tuple[int, ...]
+    max_micro_batches: int | None  # GPipe: all micro-batches stay in flight, memory caps their count
+
+    @property
+    def stages(self) -> int:
+        return len(self.stage_types)
+
+    @property
+    def pace(self) -> float:
+        """X: seconds per micro-batch of the slowest stage."""
+        return max(self.stage_seconds)
+
+    @property
+    def fill(self) -> float:
+        """Y: seconds of one micro-batch through every stage."""
+        return sum(self.stage_seconds)
+
+
+def stage_links(stage_types: tuple[str, ...], intra: Mapping[str, Link], inter: Link, gpus_per_node) -> list:
+    """Link of each stage boundary: within a node when both sides are one run of a type that fits a node."""
+    runs: list[int] = []  # length of the same-type run each stage belongs to
+    s = 0
+    while s < len(stage_types):
+        e = s
+        while e < len(stage_types) and stage_types[e] == stage_types[s]:
+            e += 1
+        runs += [e - s] * (e - s)
+        s = e
+    links = []
+    for b in range(len(stage_types) - 1):
+        t = stage_types[b]
+        same = stage_types[b + 1] == t and runs[b] <= gpus_per_node(t)
+        links.append(intra[t] if same else inter)
+    return links
+
+
+def split_kind(
+    stage_types: tuple[str, ...],
+    tables: Mapping[str, TypeTable],
+    *,
+    micro: int,
+    schedule: str,
+    optimizer: str,
+    links: list[Link],
+) -> KindSplit | None:
+    """The best split of ``stage_types`` at micro-batch ``micro``; ``None`` if no split fits.
+
+    Stage memory is checked at the schedule's steady state: 1F1B holds S - s
+    micro-batches on stage s; GPipe is checked at one and the micro-batch count
+    is then capped by what every stage can hold. 1-bit error buffers are sized for
+    two replicas, their largest.
+    """
+    S = len(stage_types)
+    costs = []
+    for s, t in enumerate(stage_types):
+        flight = in_flight(schedule, S, S, s) if schedule == "1f1b" else 1
+        costs.append(
+            stage_cost(
+                tables[t],
+                micro=micro,
+                flight=flight,
+                optimizer=optimizer,
+                world=2,
+                link_in=links[s - 1] if s > 0 else None,
+                link_out=links[s] if s < S - 1 else None,
+            )
+        )
+    bounds = min_max_split([c.seconds for c in costs])
+    if bounds is None:
+        return None
+    ranges = list(zip(bounds[:-1], bounds[1:]))
+    ckpt = tuple(bool(c.checkpointing[i, j]) for c, (i, j) in zip(costs, ranges))
+    cap = None
+    if schedule == "gpipe" and S > 1:
+        cap = min(
+            gpipe_max_micro_batches(tables[t], i, j, micro, optimizer, ck)
+            for t, (i, j), ck in zip(stage_types, ranges, ckpt)
+        )
+    return KindSplit(
+        stage_types=stage_types,
+        micro=micro,
+        bounds=bounds,
+        checkpointing=ckpt,
+        stage_seconds=tuple(float(c.seconds[i, j]) for c, (i, j) in zip(costs, ranges)),
+        compute_seconds=tuple(float(c.compute[i, j]) for c, (i, j) in zip(costs, ranges)),
+        stage_params=tuple(int(tables[t].params[j] - tables[t].params[i]) for t, (i, j) in zip(stage_types, ranges)),
+        max_micro_batches=cap,
+    )
+
+
+def gpipe_max_micro_batches(table: TypeTable, i: int, j: int, micro: int, optimizer: str, ckpt: bool) -> int:
+    """How many micro-batches a GPipe stage holding [i, j) can keep in flight."""
+    static = float(static_matrix(np.array(table.params[j] - table.params[i]), optimizer, 2))
+    if ckpt:
+        per = (table.inputs[j] - table.inputs[i]) * micro * table.scale
+        free = table.cap_bytes - static - micro * table.max_act[i, j] * table.scale
+    else:
+        per = (table.act[j] - table.act[i]) * micro * table.scale
+        free = table.cap_bytes - static
+    return int(free // per) if per > 0 else 1 << 30
+
+
+def min_shortfall(
+    stage_types: tuple[str, ...], tables: Mapping[str, TypeTable], optimizer: str
+) -> tuple[float, str, float]:
+    """Smallest bytes-over-cap of the worst stage over all splits, at micro-batch 1 with checkpointing (1F1B).
+
+    Returns (shortfall bytes, that stage's GPU type, bytes it needs); shortfall <= 0 means it fits.
+    """
+    S = len(stage_types)
+    costs = [
+        stage_cost(
+            tables[t], micro=1, flight=S - s, optimizer=optimizer, world=2, link_in=None, link_out=None
+        ).shortfall
+        for s, t in enumerate(stage_types)
+    ]
+    bounds = min_max_split(costs)
+    if bounds is None:
+        return math.inf, stage_types[0], math.inf
+    short, s = max((float(c[i, j]), s) for s, (c, i, j) in enumerate(zip(costs, bounds[:-1], bounds[1:])))
+    t = stage_types[s]
+    return short, t, short + tables[t].cap_bytes

@@ -1,0 +1,149 @@
+"""Where the planner's bandwidths come from: GPUs per node, links within and between nodes.
+
+Nodes hold one GPU type each (a Ray node type per GPU type, as in ``cluster.yaml``).
+Within a node GPUs talk over the type's NVLink or PCIe (the catalog's
+``interconnect_gbs``, halved: datasheets add both directions); between nodes over
+the nodes' NICs, the slower of two ends. ``cluster.yaml`` names each node type's NIC
+in Gbit/s with the node label ``hetero-ray/network-gbps`` (a label, because Ray's
+launcher schema rejects unknown keys anywhere else).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from hetero_ray.cluster.catalog import Catalog
+from hetero_ray.config import ConfigError
+
+GPU_TYPE_LABEL = "hetero-ray/gpu-type"
+NETWORK_LABEL = "hetero-ray/network-gbps"
+# Per-message latencies: NCCL's small-message all-reduce latency is a few µs over
+# NVLink/PCIe and ~10 µs or more over InfiniBand/Ethernet.
+INTRA_LATENCY_S = 5e-6
+INTER_LATENCY_S = 20e-6
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeKind:
+    """The nodes that hold one GPU type."""
+
+    gpu_type: str
+    gpus_per_node: int
+    intra_bandwidth_bytes_s: float
+    """GPU-to-GPU within the node, one direction."""
+    nic_bandwidth_bytes_s: float
+    """The node's network, one direction."""
+    intra_latency_s: float = INTRA_LATENCY_S
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Topology:
+    """Node kinds by GPU type and the latency between nodes."""
+
+    nodes: Mapping[str, NodeKind]
+    inter_latency_s: float = INTER_LATENCY_S
+
+    def node(self, gpu_type: str) -> NodeKind:
+        try:
+            return self.nodes[gpu_type]
+        except KeyError:
+            raise ConfigError(
+                f"topology: no node kind for GPU type {gpu_type!r}; have {', '.join(sorted(self.nodes))}"
+            ) from None
+
+    def intra(self, gpu_type: str) -> tuple[float, float]:
+        """(bandwidth bytes/s, latency s) between two GPUs of ``gpu_type`` in one node."""
+        n = self.node(gpu_type)
+        return n.intra_bandwidth_bytes_s, n.intra_latency_s
+
+    def inter(self, gpu_types: Iterable[str]) -> tuple[float, float]:
+        """(bandwidth, latency) of a ring through nodes of ``gpu_types``: its slowest NIC."""
+        return min(self.node(t).nic_bandwidth_bytes_s for t in gpu_types), self.inter_latency_s
+
+
+def uniform_topology(
+    catalog: Catalog, gpu_types: Iterable[str], *, gpus_per_node: int, inter_node_gbps: float
+) -> Topology:
+    """Nodes of ``gpus_per_node`` GPUs, links from the catalog, one NIC speed for all (``simulate``)."""
+    if gpus_per_node < 1 or inter_node_gbps <= 0:
+        raise ConfigError(
+            f"topology: gpus per node must be >= 1 and inter-node Gbit/s > 0 (got {gpus_per_node}, {inter_node_gbps})"
+        )
+    return Topology(
+        nodes={
+            t: NodeKind(
+                gpu_type=t,
+                gpus_per_node=gpus_per_node,
+                intra_bandwidth_bytes_s=catalog.get(t).interconnect_gbs * 1e9 / 2,
+                nic_bandwidth_bytes_s=inter_node_gbps * 1e9 / 8,
+            )
+            for t in set(gpu_types)
+        }
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """What a cluster-launcher file says: GPUs per type (at each node type's max_workers) and the topology."""
+
+    devices: dict[str, int]
+    topology: Topology
+
+
+def load_cluster(path: str | Path, catalog: Catalog) -> ClusterSpec:
+    """Read a Ray cluster-launcher YAML: node types labelled ``hetero-ray/gpu-type`` with GPUs and a NIC label.
+
+    Where several node types hold one GPU type, the type gets the smallest
+    node and the slowest NIC among them (a plan priced on those holds on any).
+    """
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read cluster file ({exc.strerror or exc})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    node_types = data.get("available_node_types") if isinstance(data, dict) else None
+    if not isinstance(node_types, dict):
+        raise ConfigError(f"{path}: no 'available_node_types' mapping; expected a Ray cluster-launcher file")
+    devices: dict[str, int] = {}
+    kinds: dict[str, NodeKind] = {}
+    for name, node in node_types.items():
+        labels = (node or {}).get("labels") or {}
+        gpu_type = labels.get(GPU_TYPE_LABEL)
+        if gpu_type is None:
+            continue
+        where = f"{path}: available_node_types.{name}"
+        spec = catalog.get(gpu_type)
+        gpus = int((node.get("resources") or {}).get("GPU", 0))
+        if gpus < 1:
+            raise ConfigError(f"{where}.resources.GPU: a node labelled {gpu_type} needs GPU >= 1 (got {gpus})")
+        try:
+            nic_gbps = float(labels[NETWORK_LABEL])
+        except (KeyError, ValueError):
+            raise ConfigError(
+                f"{where}.labels: needs '{NETWORK_LABEL}: \"<NIC Gbit/s>\"' (got {labels.get(NETWORK_LABEL)!r})"
+            ) from None
+        devices[gpu_type] = devices.get(gpu_type, 0) + gpus * int(node.get("max_workers", 0))
+        kind = NodeKind(
+            gpu_type=gpu_type,
+            gpus_per_node=gpus,
+            intra_bandwidth_bytes_s=spec.interconnect_gbs * 1e9 / 2,
+            nic_bandwidth_bytes_s=nic_gbps * 1e9 / 8,
+        )
+        prev = kinds.get(gpu_type)
+        if prev is not None:
+            kind = NodeKind(
+                gpu_type=gpu_type,
+                gpus_per_node=min(prev.gpus_per_node, gpus),
+                intra_bandwidth_bytes_s=kind.intra_bandwidth_bytes_s,
+                nic_bandwidth_bytes_s=min(prev.nic_bandwidth_bytes_s, kind.nic_bandwidth_bytes_s),
+            )
+        kinds[gpu_type] = kind
+    devices = {t: n for t, n in devices.items() if n > 0}
+    if not devices:
+        raise ConfigError(f"{path}: no node type labelled '{GPU_TYPE_LABEL}' with max_workers > 0")
+    return ClusterSpec(devices=devices, topology=Topology(nodes=kinds))
