@@ -155,6 +155,48 @@ def cmd_discover(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace, console: Console) -> int:
+    """Profile a workload on one device of every GPU type of a live cluster; append the rows to a history file."""
+    import ray
+
+    from hetero_ray.config import EmulationConfig
+    from hetero_ray.perf.history import HistoryError
+    from hetero_ray.perf.profiler import ProfileError, ProfileSpec
+    from hetero_ray.perf.remote import profile_to_history, render
+
+    try:
+        options = json.loads(args.options)
+        if not isinstance(options, dict):
+            raise ProfileError(f"--options: must be a JSON object (got {args.options})")
+        if not all(b.strip().isdigit() for b in args.micro_batches.split(",")):
+            raise ProfileError(f"--micro-batches: comma-separated positive integers (got {args.micro_batches})")
+        spec = ProfileSpec(
+            micro_batches=tuple(int(b) for b in args.micro_batches.split(",")),
+            precisions=tuple(args.precisions.split(",")),
+            warmup=args.warmup,
+            repeats=args.repeats,
+        )
+        ray.init(address=args.address or os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+        try:
+            efficiency = args.efficiency or EmulationConfig().efficiency
+            result = profile_to_history(
+                args.history, args.workload, options, spec, efficiency=efficiency, gpus_file=args.gpus, console=console
+            )
+        finally:
+            ray.shutdown()
+    except (json.JSONDecodeError, ProfileError, HistoryError) as exc:
+        print(f"hetero-ray: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        rows = [m.to_row() | {"timestamp": m.timestamp.isoformat()} for m in result.measurements]
+        skipped = {t: [vars(s) for s in ss] for t, ss in result.skipped.items()}
+        print(json.dumps({"history": args.history, "rows": rows, "skipped": skipped}))
+    else:
+        render(result, console)
+        console.print(f"{len(result.measurements)} rows appended to {args.history}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetero-ray", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +218,20 @@ def build_parser() -> argparse.ArgumentParser:
     discover.add_argument("--gpus", help="YAML of extra GPU types to recognise")
     discover.add_argument("--json", action="store_true")
     discover.set_defaults(func=cmd_discover)
+
+    profile = sub.add_parser("profile", help="time a workload on every GPU type of a live cluster into a history file")
+    profile.add_argument("--history", required=True, help="parquet history file to append to (created if absent)")
+    profile.add_argument("--workload", default="gpt", help="built-in workload name or module:function")
+    profile.add_argument("--options", default="{}", help="workload options as a JSON object")
+    profile.add_argument("--micro-batches", default="1,2,4,8,16", help="comma-separated micro-batch sizes")
+    profile.add_argument("--precisions", default="fp32", help="comma-separated: fp32, tf32, fp16, bf16")
+    profile.add_argument("--warmup", type=int, default=2, help="untimed steps per point")
+    profile.add_argument("--repeats", type=int, default=7, help="timed steps per point (the median is kept)")
+    profile.add_argument("--efficiency", type=float, help="emulated devices: fraction of catalog peak (default 0.4)")
+    profile.add_argument("--gpus", help="YAML of extra GPU types")
+    profile.add_argument("--address", help="Ray address (default: RAY_ADDRESS or a local cluster)")
+    profile.add_argument("--json", action="store_true", help="print the rows as one JSON object")
+    profile.set_defaults(func=cmd_profile)
     return parser
 
 

@@ -1,0 +1,212 @@
+"""Profile a workload on every GPU type of a live Ray cluster: one actor per type, placed by its label.
+
+Each actor lands on a node labelled ``hetero-ray/gpu-type=<type>`` (Ray's label
+selector), reads its own device type and whether it is emulated the way training
+workers do, and runs the local profiler there. Emulated nodes give the type's
+modelled time, in rows marked ``emulated=True``. Rows come back to the driver, which
+alone appends them to the history file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import ray
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from hetero_ray.cluster.catalog import load_catalog
+from hetero_ray.cluster.emulation import EMULATED_LABEL, EMULATED_RESOURCE, GPU_TYPE_LABEL
+from hetero_ray.perf import history
+from hetero_ray.perf.history import Measurement
+from hetero_ray.perf.profiler import Emulation, ProfileError, ProfileResult, ProfileSpec, Skipped, Target, profile
+
+TypeProgress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterProfile:
+    """Rows from every GPU type, and the points each type skipped (with why)."""
+
+    measurements: tuple[Measurement, ...]
+    skipped: Mapping[str, tuple[Skipped, ...]]
+
+
+def cluster_gpu_types() -> dict[str, bool]:
+    """GPU type → emulated?, over the alive nodes that carry the ``hetero-ray/gpu-type`` label."""
+    types: dict[str, bool] = {}
+    for node in ray.nodes():
+        labels = node.get("Labels", {})
+        if node["Alive"] and GPU_TYPE_LABEL in labels:
+            types[labels[GPU_TYPE_LABEL]] = labels.get(EMULATED_LABEL) == "true"
+    return types
+
+
+@ray.remote
+class _TypeProfiler:
+    """Runs the profiler on the node Ray placed it on."""
+
+    def run(self, payload: dict[str, Any], queue: Any) -> ProfileResult:
+        # Imported on the worker: torch and the workload stay out of the actor's class definition.
+        import torch
+
+        from hetero_ray.train.device import torch_device, worker_gpu_type
+        from hetero_ray.workloads import build_workload
+
+        catalog = load_catalog(payload["gpus_file"])
+        gpu_type, emulated = worker_gpu_type(catalog)
+        emulation = None
+        if emulated:
+            emulation = Emulation(
+                spec=catalog.get(gpu_type),
+                efficiency=payload["efficiency"],
+                flops_per_sample=payload["flops_per_sample"],
+            )
+            # Emulated devices share the machine's cores, as training workers do.
+            torch.set_num_threads(1)
+        name, options = payload["workload"], payload["options"]
+        return profile(
+            lambda: build_workload(name, options),
+            ProfileSpec(**payload["spec"]),
+            workload_name=name,
+            options=options,
+            target=Target(gpu_type=gpu_type, device=torch_device(emulated), emulated=emulation),
+            on_progress=lambda done, total: queue.put_nowait((gpu_type, done, total)),
+        )
+
+
+def profile_cluster(
+    workload: str,
+    options: Mapping[str, Any],
+    spec: ProfileSpec,
+    *,
+    flops_per_sample: float,
+    efficiency: float,
+    gpus_file: str | None = None,
+    gpu_types: Mapping[str, bool] | None = None,
+    on_progress: TypeProgress | None = None,
+) -> ClusterProfile:
+    """Profile ``workload`` on one device of every GPU type of the connected cluster, all types at once.
+
+    ``gpu_types`` (type → emulated?) defaults to every labelled type alive;
+    ``flops_per_sample`` and ``efficiency`` price emulated devices.
+    ``on_progress(type, done, total)`` is called as steps finish.
+    """
+    from ray.util.queue import Empty, Queue
+
+    types = dict(gpu_types if gpu_types is not None else cluster_gpu_types())
+    if not types:
+        raise ProfileError(
+            f"the cluster has no alive node labelled {GPU_TYPE_LABEL}; start GPU nodes with "
+            f"--labels {GPU_TYPE_LABEL}=<catalog name> (cluster.yaml does)"
+        )
+    queue = Queue(actor_options={"num_cpus": 0})
+    payload = {
+        "workload": workload,
+        "options": dict(options),
+        "spec": asdict(spec),
+        "gpus_file": gpus_file,
+        "efficiency": efficiency,
+        "flops_per_sample": flops_per_sample,
+    }
+    pending = {}
+    for gpu_type, emulated in types.items():
+        resources = {"num_cpus": 1, "resources": {EMULATED_RESOURCE: 1}} if emulated else {"num_gpus": 1}
+        actor = _TypeProfiler.options(label_selector={GPU_TYPE_LABEL: gpu_type}, **resources).remote()
+        pending[actor.run.remote(payload, queue)] = gpu_type
+    results: dict[str, ProfileResult] = {}
+    try:
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
+            while True:
+                try:
+                    update = queue.get_nowait()
+                except Empty:
+                    break
+                if on_progress is not None:
+                    on_progress(*update)
+            for ref in done:
+                results[pending.pop(ref)] = ray.get(ref)
+    finally:
+        ray.kill(queue.actor)
+    return ClusterProfile(
+        measurements=tuple(m for t in types for m in results[t].measurements),
+        skipped={t: results[t].skipped for t in types},
+    )
+
+
+@contextmanager
+def progress_bars(console: Console, types: Mapping[str, bool]) -> Iterator[TypeProgress]:
+    """A rich progress display with one bar per GPU type; yields the ``on_progress`` callback."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        tasks = {
+            t: bar.add_task(f"{t}{' (emulated)' if emulated else ''}", total=None) for t, emulated in types.items()
+        }
+
+        def update(gpu_type: str, done: int, total: int) -> None:
+            bar.update(tasks[gpu_type], completed=done, total=total)
+
+        yield update
+
+
+def profile_to_history(
+    history_path: str,
+    workload: str,
+    options: Mapping[str, Any],
+    spec: ProfileSpec,
+    *,
+    efficiency: float,
+    gpus_file: str | None,
+    console: Console,
+) -> ClusterProfile:
+    """Profile every GPU type of the connected cluster with progress bars, then append the rows to the history."""
+    from hetero_ray.perf.footprint import measure_footprint
+    from hetero_ray.workloads import build_workload
+
+    types = cluster_gpu_types()
+    # Only emulated devices need the FLOP count (it prices their modelled time).
+    flops = (
+        measure_footprint(lambda: build_workload(workload, options)).flops_per_sample if any(types.values()) else 0.0
+    )
+    with progress_bars(console, types) as update:
+        result = profile_cluster(
+            workload,
+            options,
+            spec,
+            flops_per_sample=flops,
+            efficiency=efficiency,
+            gpus_file=gpus_file,
+            gpu_types=types,
+            on_progress=update,
+        )
+    history.append(history_path, result.measurements)
+    return result
+
+
+def render(result: ClusterProfile, console: Console) -> None:
+    """The measured rows as a table, then one line per skipped group of points."""
+    table = Table(title="profile (step = forward + backward + optimizer)")
+    for column in ("GPU type", "precision", "micro-batch", "step ms", "spread ms", "samples/s", "peak MiB"):
+        table.add_column(column, justify="left" if column in ("GPU type", "precision") else "right")
+    for m in result.measurements:
+        table.add_row(
+            f"{m.gpu_type}{' (emulated)' if m.emulated else ''}",
+            m.precision,
+            str(m.micro_batch),
+            f"{m.step_s * 1e3:.3g}",
+            f"{m.step_s_spread * 1e3:.2g}",
+            f"{m.micro_batch / m.step_s:.4g}",
+            f"{m.peak_memory_bytes / 2**20:.1f}",
+        )
+    console.print(table)
+    for gpu_type, skipped in result.skipped.items():
+        reasons: dict[str, list[str]] = {}
+        for s in skipped:
+            reasons.setdefault(f"{s.precision}: {s.reason}", []).append(str(s.micro_batch))
+        for reason, batches in reasons.items():
+            console.print(f"{gpu_type} skipped micro-batches {', '.join(batches)} ({reason})")
