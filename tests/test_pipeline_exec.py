@@ -29,7 +29,9 @@ GLOBAL_BATCH, STEPS, SEED = 12, 6, 3
 CONFIG = {"devices": {"A100-80GB": 1}, "train": {"global_batch": GLOBAL_BATCH, "lr": 1e-3, "seed": SEED}}
 
 
-def role(pipeline: int, stage: int, layers: tuple[int, int], local: int, micro: int, offset: int) -> WorkerRole:
+def role(
+    pipeline: int, stage: int, layers: tuple[int, int], local: int, micro: int, offset: int, ckpt: bool = False
+) -> WorkerRole:
     return WorkerRole(
         gpu_type="A100-80GB",
         local_batch=local,
@@ -42,27 +44,35 @@ def role(pipeline: int, stage: int, layers: tuple[int, int], local: int, micro: 
         pipeline=pipeline,
         stage=stage,
         layers=layers,
+        activation_checkpointing=ckpt,
     )
 
 
 PLANS = {
     # A two-stage pipeline beside one worker holding the whole model (a one-stage pipeline).
-    "two-stage + whole": [
-        role(0, 0, (0, 2), 8, 2, 0),
-        role(0, 1, (2, 4), 8, 2, 0),
-        role(1, 0, (0, 4), 4, 2, 8),
-    ],
+    "two-stage + whole": (
+        "gpipe",
+        [role(0, 0, (0, 2), 8, 2, 0), role(0, 1, (2, 4), 8, 2, 0), role(1, 0, (0, 4), 4, 2, 8)],
+    ),
     # Two two-stage pipelines cut at different layers, stages listed out of rank order.
-    "cut differently": [
-        role(0, 1, (1, 4), 6, 3, 0),
-        role(1, 0, (0, 3), 6, 2, 6),
-        role(0, 0, (0, 1), 6, 3, 0),
-        role(1, 1, (3, 4), 6, 2, 6),
-    ],
+    "cut differently": (
+        "gpipe",
+        [
+            role(0, 1, (1, 4), 6, 3, 0),
+            role(1, 0, (0, 3), 6, 2, 6),
+            role(0, 0, (0, 1), 6, 3, 0),
+            role(1, 1, (3, 4), 6, 2, 6),
+        ],
+    ),
+    # 1F1B with activation checkpointing in the pipeline and in the whole-model worker.
+    "1f1b checkpointed": (
+        "1f1b",
+        [role(0, 0, (0, 3), 8, 2, 0, True), role(0, 1, (3, 4), 8, 2, 0), role(1, 0, (0, 4), 4, 1, 8, True)],
+    ),
 }
 
 
-def pipeline_rank(rank: int, world: int, roles: list[WorkerRole]) -> dict:
+def pipeline_rank(rank: int, world: int, roles: list[WorkerRole], schedule: str) -> dict:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     cfg = parse_config(CONFIG)
@@ -72,7 +82,7 @@ def pipeline_rank(rank: int, world: int, roles: list[WorkerRole]) -> dict:
     layers = list(workload.layered.layers(model))
     group, ranks = pipeline_group(roles, rank)
     sync = TorchAdam(model, cfg, cpu, "fp32", gradient_buckets(layers, roles, rank))
-    stage = Stage(workload, roles[rank], group, ranks, GLOBAL_BATCH, cpu, None) if len(ranks) > 1 else None
+    stage = Stage(workload, roles[rank], group, ranks, GLOBAL_BATCH, cpu, None, schedule) if len(ranks) > 1 else None
     batches = GlobalBatches(len(workload.dataset), GLOBAL_BATCH, SEED)
     losses = []
     for step in range(STEPS):
@@ -109,8 +119,8 @@ def expected():
 
 @pytest.mark.parametrize("name", PLANS)
 def test_pipelined_plan_trains_like_one_process(name: str, expected, tmp_path) -> None:
-    roles = PLANS[name]
-    results = run_ranks(pipeline_rank, len(roles), tmp_path, roles)
+    schedule, roles = PLANS[name]
+    results = run_ranks(pipeline_rank, len(roles), tmp_path, roles, schedule)
     ref_losses, ref_model, ref_optimizer = expected
     for r in results:
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
@@ -124,8 +134,8 @@ def test_pipelined_plan_trains_like_one_process(name: str, expected, tmp_path) -
 
 
 def test_layer_holders_name_one_rank_per_pipeline() -> None:
-    assert layer_holders(PLANS["cut differently"], 4) == [(1, 2), (0, 1), (0, 1), (0, 3)]
-    assert layer_holders(PLANS["two-stage + whole"], 4) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert layer_holders(PLANS["cut differently"][1], 4) == [(1, 2), (0, 1), (0, 1), (0, 3)]
+    assert layer_holders(PLANS["two-stage + whole"][1], 4) == [(0, 2), (0, 2), (1, 2), (1, 2)]
 
 
 def test_padded_stage_takes_its_modelled_forward_and_backward_time() -> None:

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from hetero_ray.cluster.catalog import GpuSpec
-from hetero_ray.perf.footprint import saved_activation_bytes
 from hetero_ray.plan.cost import activation_scale, compute_seconds
 
 GiB = 2**30
@@ -79,22 +78,44 @@ class EmulatedDevice:
 
     @contextmanager
     def memory_cap(self, model: torch.nn.Module, static_bytes: int) -> Iterator[None]:
-        """Raise ``EmulatedOOM`` when weights, optimizer state and saved activations exceed the type's memory."""
+        """Raise ``EmulatedOOM`` when weights, optimizer state and live saved activations exceed the type's memory.
+
+        A saved tensor is live from when autograd saves it until its backward unpacks it
+        (a graph is not kept for a second backward), so a pipeline schedule that starts
+        backwards early (1F1B) is charged for what it really holds.
+        """
         params = {p.untyped_storage()._cdata for p in model.parameters()}
-        seen, record = saved_activation_bytes(params)
         scale = activation_scale(self.precision)
         cap = self.spec.memory_bytes
+        live: dict[int, list[int]] = {}  # storage → [saved tensors using it, bytes]
+        total = [0]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            record(t)
-            used = static_bytes + scale * sum(seen.values())
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in params:
+                return t
+            entry = live.setdefault(key, [0, storage.nbytes()])
+            if entry[0] == 0:
+                total[0] += entry[1]
+            entry[0] += 1
+            used = static_bytes + scale * total[0]
             if used > cap:
                 raise EmulatedOOM(
-                    f"emulated {self.spec.name} out of memory: {used / GiB:.2f} GiB needed, {cap / GiB:g} GiB available"
+                    f"emulated {self.spec.name} out of memory: {used / GiB:.3g} GiB needed, {cap / GiB:.3g} GiB available"
                 )
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            entry = live.get(t.untyped_storage()._cdata)
+            if entry:
+                entry[0] -= 1
+                if entry[0] == 0:
+                    total[0] -= entry[1]
+                    del live[t.untyped_storage()._cdata]
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
 
 

@@ -27,11 +27,11 @@ from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.cluster.emulated_device import EmulatedDevice
 from hetero_ray.config import RunConfig
 from hetero_ray.perf.footprint import STATIC_BYTES_PER_PARAM, Footprint
-from hetero_ray.plan.cost import link_seconds
+from hetero_ray.plan.cost import RECOMPUTE_FACTOR, link_seconds
 from hetero_ray.plan.plan import Plan, WorkerRole
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.device import torch_device, worker_gpu_type
-from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group
+from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group, sequence
 from hetero_ray.train.precision import autocast
 from hetero_ray.train.prepare import plan_for
 from hetero_ray.train.sync import Synced, make_sync
@@ -94,7 +94,8 @@ def train_worker(payload: dict[str, Any]) -> None:
                 sum(footprint.layers[i].flops_per_sample for i in stage_layers)
                 if plan.is_pipelined
                 else footprint.flops_per_sample
-            ),
+            )
+            * (RECOMPUTE_FACTOR if role.activation_checkpointing else 1.0),
             efficiency=payload["efficiency"],
             dilation=payload["dilation"],
         )
@@ -109,7 +110,7 @@ def train_worker(payload: dict[str, Any]) -> None:
         for i in stage_layers if role else ():
             layers[i].to(device)
         if len(ranks) > 1:
-            stage = Stage(workload, role, group, ranks, cfg.train.global_batch, device, emu)
+            stage = Stage(workload, role, group, ranks, cfg.train.global_batch, device, emu, plan.schedule)
         model = workload.model
     else:
         model = workload.model.to(device)
@@ -161,7 +162,12 @@ def local_backward(model, workload, indices, role: WorkerRole | None, global_bat
         batch = tree_map(lambda t: t.to(device), collate(workload.dataset, indices[start : start + size]))
         cap = emu.memory_cap(model, footprint.static_bytes) if emu else nullcontext()
         with cap, autocast(role.precision, device):
-            loss = workload.loss_fn(model, batch)
+            if role.activation_checkpointing:
+                layered = workload.layered
+                run = sequence(layered.layers(model), checkpointing=True)
+                loss = layered.output_loss(run(layered.inputs(batch)), layered.targets(batch))
+            else:
+                loss = workload.loss_fn(model, batch)
         sync.backward(loss * (size / global_batch * sync.loss_weight))
         loss_sum += loss.item() * size
     return loss_sum

@@ -16,7 +16,8 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.checkpoint import checkpoint
 
 from hetero_ray.cluster.emulated_device import EmulatedDevice, PaddedModule
 from hetero_ray.plan.plan import WorkerRole
@@ -72,6 +73,25 @@ def pipeline_group(roles: Sequence[WorkerRole | None], rank: int) -> tuple[dist.
     return mine
 
 
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class _Checkpointed(nn.Module):
+    """A layer whose activations are recomputed in the backward instead of kept."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def sequence(layers: Sequence[nn.Module], *, checkpointing: bool) -> nn.Sequential:
+    """The layers run one after another, each checkpointed when ``checkpointing``."""
+    return nn.Sequential(*(_Checkpointed(layer) if checkpointing else layer for layer in layers))
+
+
 class Stage:
     """This worker's pipeline stage: its layers, the schedule, and one step over its pipeline's micro-batches."""
 
@@ -84,6 +104,7 @@ class Stage:
         global_batch: int,
         device: torch.device,
         emu: EmulatedDevice | None,
+        schedule: str = "gpipe",
     ):
         layered = workload.layered
         layers = list(layered.layers(workload.model))
@@ -91,10 +112,9 @@ class Stage:
         self.role, self.workload, self.device, self.emu = role, workload, device, emu
         self.is_first, self.is_last = first == 0, last == len(layers)
         self.module = nn.Sequential(*layers[first:last])
-        self.padded = PaddedModule(self.module, emu, role.micro_batch) if emu else None
-        self.stage = PipelineStage(
-            _Float32Output(self.padded or self.module), role.stage, len(ranks), device, group=group
-        )
+        runnable = sequence(layers[first:last], checkpointing=role.activation_checkpointing)
+        self.padded = PaddedModule(runnable, emu, role.micro_batch) if emu else None
+        self.stage = PipelineStage(_Float32Output(self.padded or runnable), role.stage, len(ranks), device, group=group)
         # new_group orders a group's ranks ascending; stage s lives on ranks[s].
         ascending = sorted(ranks)
         self.stage.stage_index_to_group_rank = {s: ascending.index(r) for s, r in enumerate(ranks)}
@@ -106,7 +126,7 @@ class Stage:
             return layered.output_loss(output, target) * (role.micro_batch / global_batch)
 
         self.global_batch = global_batch
-        self.schedule = ScheduleGPipe(self.stage, n_microbatches=self.n_micro, loss_fn=loss_fn, scale_grads=False)
+        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches=self.n_micro, loss_fn=loss_fn, scale_grads=False)
 
     def static_bytes(self, bytes_per_param: int) -> int:
         return sum(p.numel() for p in self.module.parameters()) * bytes_per_param
