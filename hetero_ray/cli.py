@@ -197,6 +197,68 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _plan_request(args: argparse.Namespace):
+    from hetero_ray.plan.report import Request, parse_model_options
+
+    return Request(
+        model=args.model,
+        model_options=parse_model_options(args.model_options),
+        global_batch=args.global_batch,
+        optimizer=args.optimizer,
+        efficiency=args.efficiency,
+        max_stages=args.max_stages,
+        top=args.top,
+        schedule=args.schedule,
+    )
+
+
+def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    """Plan the devices of a cluster-launcher file; print the top plans, write the best."""
+    from hetero_ray.cluster.catalog import load_catalog
+    from hetero_ray.plan.report import plan_command
+
+    return plan_command(
+        cluster=args.cluster,
+        req=_plan_request(args),
+        catalog=load_catalog(args.gpus),
+        as_json=args.json,
+        output=args.output,
+        console=console,
+    )
+
+
+def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
+    """Plan a cluster that does not exist yet, or rank mixes of GPU types by throughput per dollar."""
+    from hetero_ray.cluster.catalog import load_catalog
+    from hetero_ray.plan.report import simulate_command
+
+    return simulate_command(
+        devices=args.devices,
+        mix=args.mix,
+        budget_gpus=args.budget_gpus,
+        inter_node_gbps=args.inter_node_gbps,
+        gpus_per_node=args.gpus_per_node,
+        req=_plan_request(args),
+        catalog=load_catalog(args.gpus),
+        as_json=args.json,
+        output=args.output,
+        console=console,
+    )
+
+
+def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt", help="workload: a built-in name (gpt) or module:function")
+    p.add_argument("--model-options", help="JSON object of the workload factory's keyword arguments")
+    p.add_argument("--global-batch", type=int, default=72, help="samples per optimiser step (default 72)")
+    p.add_argument("--optimizer", default="adam", help="adam | onebit_adam | zero_one_adam (default adam)")
+    p.add_argument("--efficiency", type=float, default=0.4, help="fraction of catalog peak FLOP/s (default 0.4)")
+    p.add_argument("--max-stages", type=int, default=8, help="most pipeline stages per pipeline (default 8)")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b | gpipe (default 1f1b)")
+    p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
+    p.add_argument("--gpus", help="YAML of extra GPU types (catalog schema)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetero-ray", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -232,6 +294,22 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--address", help="Ray address (default: RAY_ADDRESS or a local cluster)")
     profile.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     profile.set_defaults(func=cmd_profile)
+
+    plan = sub.add_parser("plan", help="plan pipelines and data parallelism for a cluster-launcher file")
+    plan.add_argument("--cluster", default="cluster.yaml", help="Ray cluster-launcher YAML (default cluster.yaml)")
+    plan.add_argument("--output", default="plan.json", help="where to write the chosen Plan JSON (default plan.json)")
+    _add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
+
+    simulate = sub.add_parser("simulate", help="plan a cluster that does not exist, or the best mix per dollar")
+    simulate.add_argument("--devices", help="GPUs per type, e.g. V100-16GB=512,A100-80GB=128")
+    simulate.add_argument("--mix", help="GPU types to mix, e.g. A100-80GB,V100-16GB (with --budget-gpus)")
+    simulate.add_argument("--budget-gpus", type=int, help="GPUs in every mix of --mix")
+    simulate.add_argument("--inter-node-gbps", type=float, default=100.0, help="NIC Gbit/s per node (default 100)")
+    simulate.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    simulate.add_argument("--output", help="also write the result JSON to this file")
+    _add_plan_arguments(simulate)
+    simulate.set_defaults(func=cmd_simulate)
     return parser
 
 

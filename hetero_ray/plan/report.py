@@ -1,0 +1,291 @@
+"""Bodies of `hetero-ray plan` and `hetero-ray simulate`: read the input, search, print, write the plan.
+
+``cli.py`` only wires arguments to these functions. Every input problem raises
+``ConfigError`` (or ``PlanError`` when nothing fits) before anything is written.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from hetero_ray.cluster.catalog import Catalog
+from hetero_ray.config import ONEBIT_OPTIMIZERS, ConfigError
+from hetero_ray.perf.footprint import Footprint, measure_footprint
+from hetero_ray.plan.plan import Infeasible, Plan, PlanError
+from hetero_ray.plan.search import plan
+from hetero_ray.plan.topology import Topology, uniform_topology
+from hetero_ray.workloads import build_workload
+
+GiB = 2**30
+OPTIMIZERS = ("adam", *ONEBIT_OPTIMIZERS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """What every planning command shares: the model, the batch, the optimizer, the search's knobs."""
+
+    model: str
+    model_options: dict
+    global_batch: int
+    optimizer: str
+    efficiency: float
+    max_stages: int
+    top: int
+    schedule: str
+
+
+def parse_model_options(text: str | None) -> dict:
+    """``--model-options`` JSON object, or a one-line ConfigError."""
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"--model-options: not valid JSON ({exc.msg} at column {exc.colno}); e.g. '{{\"n_layer\": 48}}'"
+        ) from None
+    if not isinstance(options, dict):
+        raise ConfigError(
+            f"--model-options: must be a JSON object of the model factory's keyword arguments (got {text})"
+        )
+    return options
+
+
+def check_request(req: Request) -> None:
+    if req.global_batch < 1:
+        raise ConfigError(f"--global-batch: must be >= 1 (got {req.global_batch})")
+    if req.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer: unknown optimizer {req.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    if not 0 < req.efficiency <= 1:
+        raise ConfigError(f"--efficiency: must be in (0, 1] (got {req.efficiency})")
+    if req.max_stages < 1 or req.top < 1:
+        raise ConfigError(f"--max-stages and --top: must be >= 1 (got {req.max_stages}, {req.top})")
+
+
+def footprint_of(req: Request) -> Footprint:
+    """The model's per-layer costs, measured on the meta device (no memory, no GPU)."""
+
+    def factory():
+        torch.manual_seed(0)
+        return build_workload(req.model, req.model_options)
+
+    return measure_footprint(factory)
+
+
+def parse_devices(text: str, catalog: Catalog) -> dict[str, int]:
+    """``TYPE=N,TYPE=N`` → {type: count}; one-line ConfigError naming the bad part."""
+    devices: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",")):
+        name, sep, count = part.partition("=")
+        if not sep or not count.strip().isdigit() or int(count) < 1:
+            raise ConfigError(
+                f"--devices: {part!r} is not TYPE=COUNT with COUNT >= 1; e.g. V100-16GB=512,A100-80GB=128"
+            )
+        catalog.get(name.strip())
+        devices[name.strip()] = devices.get(name.strip(), 0) + int(count)
+    return devices
+
+
+def search(
+    devices: dict[str, int], catalog: Catalog, footprint: Footprint, topology: Topology, req: Request
+) -> list[Plan]:
+    """The ranked plans, or PlanError with the planner's one-line reason."""
+    rank_types = [t for t, n in devices.items() for _ in range(n)]
+    try:
+        result = plan(
+            rank_types,
+            catalog,
+            footprint,
+            global_batch=req.global_batch,
+            topology=topology,
+            optimizer=req.optimizer,
+            efficiency=req.efficiency,
+            schedule=req.schedule,
+            max_stages=req.max_stages,
+            top_k=req.top,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if isinstance(result, Infeasible):
+        raise PlanError(result.reason)
+    return result
+
+
+def describe(p: Plan) -> str:
+    """A plan's shape in a few words: pipelines by their stage types."""
+    shapes: dict[tuple[str, ...], int] = {}
+    for pipe in sorted({r.pipeline for r in p.roles}):
+        stages = tuple(r.gpu_type for r in sorted((r for r in p.roles if r.pipeline == pipe), key=lambda r: r.stage))
+        shapes[stages] = shapes.get(stages, 0) + 1
+    parts = []
+    for stages, n in shapes.items():
+        runs = [f"{len(list(g))}×{t}" for t, g in itertools.groupby(stages)]
+        parts.append(f"{n} × DP {stages[0]}" if len(stages) == 1 else f"{n} × [{' → '.join(runs)}]")
+    return ", ".join(parts)
+
+
+def plans_table(plans: list[Plan], title: str) -> Table:
+    table = Table(title=title)
+    for col in ("#", "pipelines", "step ms", "compute ms", "all-reduce ms", "samples/s", "max memory", "checkpointing"):
+        table.add_column(col, justify="left" if col == "pipelines" else "right")
+    for i, p in enumerate(plans):
+        mem = max(r.predicted_memory_bytes / r.memory_cap_bytes for r in p.roles)
+        table.add_row(
+            str(i + 1),
+            describe(p),
+            f"{p.predicted_step_s * 1e3:.4g}",
+            f"{p.predicted_compute_s * 1e3:.4g}",
+            f"{p.predicted_comm_s * 1e3:.3g}",
+            f"{p.global_batch / p.predicted_step_s:.4g}",
+            f"{mem:.0%} of cap",
+            str(sum(r.activation_checkpointing for r in p.roles)),
+        )
+    return table
+
+
+def plan_command(
+    *, cluster: str, req: Request, catalog: Catalog, as_json: bool, output: str | None, console: Console
+) -> int:
+    """`hetero-ray plan`: plans for the devices of a cluster-launcher file; writes the best one."""
+    from hetero_ray.cli import write_json_atomically
+    from hetero_ray.plan.topology import load_cluster
+
+    check_request(req)
+    spec = load_cluster(cluster, catalog)
+    plans = search(spec.devices, catalog, footprint_of(req), spec.topology, req)
+    if output:
+        write_json_atomically(Path(output), plans[0].to_dict())
+    if as_json:
+        print(json.dumps({"plans": [p.to_dict() for p in plans], "output": output}))
+    else:
+        console.print(plans_table(plans, f"plans for {', '.join(f'{n} × {t}' for t, n in spec.devices.items())}"))
+        console.print(f"[bold]chosen:[/bold] {plans[0].explanation}")
+        if output:
+            console.print(f"wrote {output}")
+    return 0
+
+
+def mixes(types: list[str], budget: int) -> list[dict[str, int]]:
+    """Every way to spend ``budget`` GPUs on ``types`` (0 of a type allowed, at least one GPU)."""
+    out = []
+    for counts in itertools.product(range(budget + 1), repeat=len(types) - 1):
+        rest = budget - sum(counts)
+        if rest >= 0:
+            mix = dict(zip(types, (*counts, rest)))
+            out.append({t: n for t, n in mix.items() if n})
+    return out
+
+
+def simulate_command(
+    *,
+    devices: str | None,
+    mix: str | None,
+    budget_gpus: int | None,
+    inter_node_gbps: float,
+    gpus_per_node: int,
+    req: Request,
+    catalog: Catalog,
+    as_json: bool,
+    output: str | None,
+    console: Console,
+) -> int:
+    """`hetero-ray simulate`: plans for a cluster that does not exist, or the best mix per dollar."""
+    from hetero_ray.cli import write_json_atomically
+
+    check_request(req)
+    if (devices is None) == (mix is None):
+        raise ConfigError("simulate: give either --devices TYPE=N,... or --mix TYPE,TYPE --budget-gpus N")
+    if inter_node_gbps <= 0 or gpus_per_node < 1:
+        raise ConfigError(
+            f"--inter-node-gbps must be > 0 and --gpus-per-node >= 1 (got {inter_node_gbps}, {gpus_per_node})"
+        )
+    if devices is not None:
+        counts = parse_devices(devices, catalog)
+        topology = uniform_topology(catalog, counts, gpus_per_node=gpus_per_node, inter_node_gbps=inter_node_gbps)
+        plans = search(counts, catalog, footprint_of(req), topology, req)
+        result = {"devices": counts, "modelled": True, "plans": [p.to_dict() for p in plans]}
+        if output:
+            write_json_atomically(Path(output), result)
+        if as_json:
+            print(json.dumps(result))
+        else:
+            console.print(plans_table(plans, f"modelled plans for {devices}"))
+            console.print(f"[bold]best:[/bold] {plans[0].explanation}")
+        return 0
+    rows = best_mixes(mix, budget_gpus, inter_node_gbps, gpus_per_node, req, catalog)
+    if output:
+        write_json_atomically(Path(output), {"modelled": True, "mixes": rows})
+    if as_json:
+        print(json.dumps({"modelled": True, "mixes": rows}))
+    else:
+        table = Table(title=f"{budget_gpus} GPUs of {mix}: throughput per dollar (modelled)")
+        for col in ("mix", "samples/s", "$/hour", "samples per $", "plan"):
+            table.add_column(col)
+        for r in rows:
+            table.add_row(
+                ", ".join(f"{n} × {t}" for t, n in r["devices"].items()),
+                f"{r['samples_per_s']:.4g}" if r["samples_per_s"] else "-",
+                f"{r['usd_per_hour']:.2f}",
+                f"{r['samples_per_usd']:.4g}" if r["samples_per_usd"] else "-",
+                r["plan"],
+            )
+        console.print(table)
+    return 0
+
+
+def best_mixes(
+    mix: str, budget_gpus: int | None, inter_node_gbps: float, gpus_per_node: int, req: Request, catalog: Catalog
+) -> list[dict]:
+    """Every mix of ``budget_gpus`` GPUs of the listed types, planned, ranked by samples per dollar."""
+    types = [t.strip() for t in mix.split(",") if t.strip()]
+    if not types or len(set(types)) != len(types) or len(types) > 4:
+        raise ConfigError(f"--mix: give 1-4 distinct GPU types separated by commas (got {mix!r})")
+    if budget_gpus is None or budget_gpus < 1:
+        raise ConfigError(f"--budget-gpus: --mix needs a GPU budget >= 1 (got {budget_gpus})")
+    prices = {}
+    for t in types:
+        price = catalog.get(t).price_per_hour_usd
+        if price is None:
+            raise ConfigError(
+                f"--mix: GPU type {t} has no price_per_hour_usd in the catalog; add one in a gpus file (--gpus)"
+            )
+        prices[t] = price
+    footprint = footprint_of(req)
+    topology = uniform_topology(catalog, types, gpus_per_node=gpus_per_node, inter_node_gbps=inter_node_gbps)
+    rows = []
+    for counts in mixes(types, budget_gpus):
+        usd = sum(prices[t] * n for t, n in counts.items())
+        try:
+            best = search(counts, catalog, footprint, topology, Request(**{**req.__dict__, "top": 1}))[0]
+        except PlanError as exc:
+            rows.append(
+                {
+                    "devices": counts,
+                    "samples_per_s": None,
+                    "usd_per_hour": usd,
+                    "samples_per_usd": None,
+                    "plan": f"infeasible: {exc}",
+                }
+            )
+            continue
+        rate = best.global_batch / best.predicted_step_s
+        rows.append(
+            {
+                "devices": counts,
+                "samples_per_s": rate,
+                "usd_per_hour": usd,
+                "samples_per_usd": rate * 3600 / usd,
+                "plan": describe(best),
+            }
+        )
+    if all(r["samples_per_s"] is None for r in rows):
+        raise PlanError(f"no mix of {budget_gpus} × {mix} fits the model: {rows[0]['plan']}")
+    return sorted(rows, key=lambda r: -(r["samples_per_usd"] or -math.inf))
