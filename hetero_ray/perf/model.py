@@ -251,7 +251,8 @@ class PerfModel:
                 f"saturation {curve.saturation:g})"
             )
         others = sorted({t for t, _ in self.curves if t in self.catalog})
-        return f"{gpu_type}/{precision}: no {kind}history; catalog peak and bandwidth scaled from {', '.join(others)}"
+        features = "peak and memory bandwidth" if len(others) >= MIN_TYPES_FOR_BANDWIDTH else "peak × efficiency"
+        return f"{gpu_type}/{precision}: no {kind}history; the catalog's {features}, learnt from {', '.join(others)}"
 
 
 def fit_perf_model(

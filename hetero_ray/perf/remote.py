@@ -22,8 +22,11 @@ from rich.table import Table
 from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.cluster.emulation import EMULATED_LABEL, EMULATED_RESOURCE, GPU_TYPE_LABEL
 from hetero_ray.perf import history
+from hetero_ray.perf.footprint import measure_footprint
 from hetero_ray.perf.history import Measurement
 from hetero_ray.perf.profiler import Emulation, ProfileError, ProfileResult, ProfileSpec, Skipped, Target, profile
+from hetero_ray.train.device import torch_device, worker_gpu_type
+from hetero_ray.workloads import build_workload
 
 TypeProgress = Callable[[str, int, int], None]
 
@@ -51,12 +54,6 @@ class _TypeProfiler:
     """Runs the profiler on the node Ray placed it on."""
 
     def run(self, payload: dict[str, Any], queue: Any) -> ProfileResult:
-        # Imported on the worker: torch and the workload stay out of the actor's class definition.
-        import torch
-
-        from hetero_ray.train.device import torch_device, worker_gpu_type
-        from hetero_ray.workloads import build_workload
-
         catalog = load_catalog(payload["gpus_file"])
         gpu_type, emulated = worker_gpu_type(catalog)
         emulation = None
@@ -66,8 +63,6 @@ class _TypeProfiler:
                 efficiency=payload["efficiency"],
                 flops_per_sample=payload["flops_per_sample"],
             )
-            # Emulated devices share the machine's cores, as training workers do.
-            torch.set_num_threads(1)
         name, options = payload["workload"], payload["options"]
         return profile(
             lambda: build_workload(name, options),
@@ -113,26 +108,26 @@ def profile_cluster(
         "efficiency": efficiency,
         "flops_per_sample": flops_per_sample,
     }
-    pending = {}
+    actors, pending = [], {}
     for gpu_type, emulated in types.items():
         resources = {"num_cpus": 1, "resources": {EMULATED_RESOURCE: 1}} if emulated else {"num_gpus": 1}
-        actor = _TypeProfiler.options(label_selector={GPU_TYPE_LABEL: gpu_type}, **resources).remote()
-        pending[actor.run.remote(payload, queue)] = gpu_type
+        actors.append(_TypeProfiler.options(label_selector={GPU_TYPE_LABEL: gpu_type}, **resources).remote())
+        pending[actors[-1].run.remote(payload, queue)] = gpu_type
     results: dict[str, ProfileResult] = {}
     try:
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
-            while True:
+            while on_progress is not None and not queue.empty():
                 try:
-                    update = queue.get_nowait()
+                    on_progress(*queue.get_nowait())
                 except Empty:
                     break
-                if on_progress is not None:
-                    on_progress(*update)
             for ref in done:
                 results[pending.pop(ref)] = ray.get(ref)
     finally:
-        ray.kill(queue.actor)
+        for actor in actors:
+            ray.kill(actor)
+        queue.shutdown()
     return ClusterProfile(
         measurements=tuple(m for t in types for m in results[t].measurements),
         skipped={t: results[t].skipped for t in types},
@@ -165,9 +160,6 @@ def profile_to_history(
     console: Console,
 ) -> ClusterProfile:
     """Profile every GPU type of the connected cluster with progress bars, then append the rows to the history."""
-    from hetero_ray.perf.footprint import measure_footprint
-    from hetero_ray.workloads import build_workload
-
     types = cluster_gpu_types()
     # Only emulated devices need the FLOP count (it prices their modelled time).
     flops = (
