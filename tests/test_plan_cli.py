@@ -1,0 +1,96 @@
+"""`hetero-ray plan` and `hetero-ray simulate`: plans written as Plan JSON; bad input is one line, exit 2, no file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetero_ray.cli import main
+from hetero_ray.plan.plan import Plan
+
+TINY = '{"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 64, "corpus_bytes": 200000}'
+# One block of 12 × 10240² ≈ 1.26 G parameters: 18.8 GiB of weights, gradients and Adam state on one device.
+HUGE = '{"n_layer": 1, "n_embd": 10240, "n_head": 8, "block_size": 16, "corpus_bytes": 20000}'
+
+CLUSTER = """\
+available_node_types:
+  head: {resources: {CPU: 8, GPU: 0}, max_workers: 0}
+  a100: {resources: {GPU: 2}, max_workers: 1, labels: {hetero-ray/gpu-type: A100-80GB, hetero-ray/network-gbps: "100"}}
+  v100: {resources: {GPU: 4}, max_workers: 1, labels: {hetero-ray/gpu-type: V100-16GB, hetero-ray/network-gbps: "25"}}
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Path:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(CLUSTER)
+    return path
+
+
+def test_plan_writes_a_plan_that_from_dict_reads(cluster: Path, tmp_path: Path, capsys):
+    out = tmp_path / "plans" / "plan.json"
+    argv = ["plan", "--cluster", str(cluster), "--model-options", TINY, "--global-batch", "48", "--output", str(out)]
+    assert main([*argv, "--json", "--top", "3"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    plan = Plan.from_dict(json.loads(out.read_text()))
+    assert plan == Plan.from_dict(printed["plans"][0])
+    assert plan.global_batch == 48 and sum(r.gpu_type == "V100-16GB" for r in plan.roles) <= 4
+    assert len(printed["plans"]) <= 3 and plan.explanation
+    # The table form prints the chosen plan's explanation too.
+    assert main(argv) == 0
+    assert "chosen:" in capsys.readouterr().out
+
+
+def test_simulate_devices_and_mix(tmp_path: Path, capsys):
+    args = ["--model-options", TINY, "--global-batch", "64", "--json"]
+    assert main(["simulate", "--devices", "V100-16GB=6,A100-80GB=2", "--inter-node-gbps", "10", *args]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["modelled"] and result["devices"] == {"V100-16GB": 6, "A100-80GB": 2}
+    Plan.from_dict(result["plans"][0])
+    assert main(["simulate", "--mix", "A100-80GB,V100-16GB", "--budget-gpus", "4", *args]) == 0
+    rows = json.loads(capsys.readouterr().out)["mixes"]
+    assert len(rows) == 5  # 0..4 A100s
+    per_usd = [r["samples_per_usd"] for r in rows]
+    assert per_usd == sorted(per_usd, reverse=True)
+    # Dollars are the catalog's per-GPU prices times the counts.
+    four_v100 = next(r for r in rows if r["devices"] == {"V100-16GB": 4})
+    assert four_v100["usd_per_hour"] == pytest.approx(4 * 3.06)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--model-options", "{n_layer: 2}"], "--model-options: not valid JSON"),
+        (["plan", "--model-options", TINY, "--global-batch", "0"], "--global-batch: must be >= 1 (got 0)"),
+        (["plan", "--model-options", TINY, "--optimizer", "sgd"], "--optimizer: unknown optimizer 'sgd'"),
+        (["plan", "--model-options", TINY, "--model", "nosuch"], "workload.name: unknown workload 'nosuch'"),
+        (["plan", "--model-options", TINY, "--schedule", "zb"], "schedule: unknown schedule 'zb'"),
+        (
+            ["simulate", "--devices", "V100-16GB:4", "--model-options", TINY],
+            "--devices: 'V100-16GB:4' is not TYPE=COUNT",
+        ),
+        (["simulate", "--devices", "B200=4", "--model-options", TINY], "unknown GPU type 'B200'"),
+        (["simulate", "--model-options", TINY], "simulate: give either --devices"),
+        (["simulate", "--mix", "A100-80GB,T4", "--budget-gpus", "2", "--model-options", TINY], "T4 has no price"),
+        (
+            ["simulate", "--devices", "T4=2", "--model-options", HUGE],
+            "model needs 18.8 GiB per device at micro-batch 1",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_nothing_written(cluster: Path, tmp_path: Path, capsys, argv, message):
+    out = tmp_path / "out.json"
+    extra = ["--cluster", str(cluster)] if argv[0] == "plan" else []
+    assert main([*argv, *extra, "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hetero-ray: error: ") and "\n" not in err
+    assert message in err
+    assert not out.exists() and list(tmp_path.iterdir()) == [cluster]
+
+
+def test_missing_cluster_file(tmp_path: Path, capsys):
+    assert main(["plan", "--cluster", str(tmp_path / "nope.yaml"), "--output", str(tmp_path / "p.json")]) == 2
+    assert "nope.yaml: cannot read cluster file" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

@@ -1,0 +1,169 @@
+"""The placement search: memory forces pipelines, slow links favour them, optimal on small instances, invariants."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetero_ray.cluster.catalog import load_catalog
+from hetero_ray.perf.footprint import Footprint, LayerCost
+from hetero_ray.plan.data_parallel import plan_data_parallel
+from hetero_ray.plan.exhaustive import exhaustive_best_step
+from hetero_ray.plan.instances import random_instance
+from hetero_ray.plan.plan import Infeasible, Plan
+from hetero_ray.plan.search import plan
+from hetero_ray.plan.topology import uniform_topology
+
+GiB = 2**30
+A100, V100 = "A100-80GB", "V100-16GB"
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return load_catalog()
+
+
+def layered(n: int, params: int, flops: float, act: float, out: float) -> Footprint:
+    layers = tuple(
+        LayerCost(params=params, flops_per_sample=flops, activation_bytes_per_sample=act, output_bytes_per_sample=out)
+        for _ in range(n)
+    )
+    return Footprint(
+        param_count=n * params,
+        dataset_samples=10**6,
+        flops_per_sample=n * flops,
+        activation_bytes_per_sample=n * act,
+        param_numels=(params,) * n,
+        layers=layers,
+    )
+
+
+def check_invariants(p: Plan, rank_types: list[str], n_layers: int) -> None:
+    """The contract of a Plan (see plan/plan.py), for every plan the search returns."""
+    assert Plan.from_dict(p.to_dict()) == p
+    for t in set(r.gpu_type for r in p.roles):
+        assert sum(r.gpu_type == t for r in p.roles) <= rank_types.count(t)
+    pipelines = sorted({r.pipeline for r in p.roles})
+    assert pipelines == list(range(len(pipelines)))
+    offset = 0
+    for pipe in pipelines:
+        stages = sorted((r for r in p.roles if r.pipeline == pipe), key=lambda r: r.stage)
+        assert [r.stage for r in stages] == list(range(len(stages)))
+        assert len({(r.local_batch, r.micro_batch, r.sample_offset) for r in stages}) == 1
+        head = stages[0]
+        assert head.sample_offset == offset and head.local_batch >= 1
+        offset += head.local_batch
+        if len(stages) == 1:
+            assert head.layers is None
+        else:
+            assert head.local_batch % head.micro_batch == 0
+            assert [r.layers[0] for r in stages] == [0] + [r.layers[1] for r in stages[:-1]]
+            assert stages[-1].layers[1] == n_layers and all(r.layers[0] < r.layers[1] for r in stages)
+        for r in stages:
+            assert r.predicted_memory_bytes <= r.memory_cap_bytes
+    assert offset == p.global_batch
+    assert p.schedule in ("1f1b", "gpipe") and p.explanation
+
+
+def test_memory_cap_forces_a_pipeline(catalog):
+    # 8 layers of 2^27 parameters: 16 GiB of weights, gradients and Adam state: no V100-16GB holds it.
+    fp = layered(8, 2**27, 1e11, 0.05 * GiB, 1e6)
+    ranks = [V100] * 4
+    topo = uniform_topology(catalog, ranks, gpus_per_node=4, inter_node_gbps=100)
+    assert isinstance(plan_data_parallel(ranks, catalog, fp, global_batch=16), Infeasible)
+    plans = plan(ranks, catalog, fp, global_batch=16, topology=topo)
+    assert isinstance(plans, list) and plans
+    for p in plans:
+        check_invariants(p, ranks, 8)
+        assert p.is_pipelined and all(r.layers is not None for r in p.roles)
+    assert "stage 0 on" in plans[0].explanation
+
+
+def test_slow_link_favours_pipelines_over_data_parallelism(catalog):
+    # Large weights, little activation: an all-reduce of 1.5 GiB of gradients over 1 Gbit/s dwarfs compute.
+    fp = layered(8, 50_000_000, 2e10, 1e6, 1e5)
+    ranks = [A100] * 8
+    topo = uniform_topology(catalog, ranks, gpus_per_node=1, inter_node_gbps=1)
+    best = plan(ranks, catalog, fp, global_batch=64, topology=topo)[0]
+    dp = plan(ranks, catalog, fp, global_batch=64, topology=topo, max_stages=1)[0]
+    check_invariants(best, ranks, 8)
+    assert not dp.is_pipelined and best.is_pipelined
+    assert best.predicted_step_s < 0.5 * dp.predicted_step_s
+    # When the all-reduce is cheap (few weights, NVLink in one node), no bubble beats any pipeline.
+    light = layered(8, 1_000_000, 2e10, 1e6, 1e5)
+    fast = uniform_topology(catalog, ranks, gpus_per_node=8, inter_node_gbps=400)
+    assert not plan(ranks, catalog, light, global_batch=64, topology=fast)[0].is_pipelined
+
+
+def test_pure_data_parallel_matches_the_weighted_planner(catalog):
+    fp = layered(4, 1000, 1e9, 1e3, 1e3)
+    ranks = [A100, A100, V100, V100, V100, V100]
+    topo = uniform_topology(catalog, ranks, gpus_per_node=8, inter_node_gbps=100)
+    p = plan(ranks, catalog, fp, global_batch=72, topology=topo, max_stages=1)[0]
+    check_invariants(p, ranks, 4)
+    ref = plan_data_parallel(ranks, catalog, fp, global_batch=72)
+    assert all(r.layers is None for r in p.roles)
+    assert sorted(r.local_batch for r in p.roles) == sorted(r.local_batch for r in ref.roles)
+    assert p.predicted_compute_s == pytest.approx(ref.predicted_compute_s)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_search_is_optimal_on_small_instances(catalog, seed):
+    inst = random_instance(seed, catalog)
+    kw = dict(global_batch=inst.global_batch, topology=inst.topology, max_stages=4, micro_batches=(1, 2))
+    ranks = list(inst.rank_types)
+    result = plan(ranks, catalog, inst.footprint, **kw)
+    optimum = exhaustive_best_step(ranks, catalog, inst.footprint, **kw)
+    if isinstance(result, Infeasible):
+        assert optimum == float("inf")
+        return
+    for p in result:
+        check_invariants(p, ranks, len(inst.footprint.layers))
+    assert [p.predicted_step_s for p in result] == sorted(p.predicted_step_s for p in result)
+    assert result[0].predicted_step_s <= 1.01 * optimum
+
+
+def test_enumerator_finds_what_a_restricted_search_misses(catalog):
+    # Guards the optimality test: with pipelines forbidden, the search falls behind the enumerator.
+    fp = layered(6, 50_000_000, 2e10, 1e6, 1e5)
+    ranks = [A100] * 4
+    topo = uniform_topology(catalog, ranks, gpus_per_node=1, inter_node_gbps=1)
+    dp_only = plan(ranks, catalog, fp, global_batch=16, topology=topo, max_stages=1)[0]
+    optimum = exhaustive_best_step(ranks, catalog, fp, global_batch=16, topology=topo, max_stages=4)
+    assert dp_only.predicted_step_s > 1.5 * optimum
+
+
+def test_onebit_adam_costs_memory_and_saves_communication(catalog):
+    fp = layered(4, 50_000_000, 2e10, 1e6, 1e5)
+    ranks = [A100] * 4
+    topo = uniform_topology(catalog, ranks, gpus_per_node=1, inter_node_gbps=10)
+    adam = plan(ranks, catalog, fp, global_batch=16, topology=topo, max_stages=1)[0]
+    onebit = plan(ranks, catalog, fp, global_batch=16, topology=topo, max_stages=1, optimizer="onebit_adam")[0]
+    assert onebit.roles[0].predicted_memory_bytes > adam.roles[0].predicted_memory_bytes
+    assert onebit.predicted_comm_s < 0.1 * onebit.predicted_comm_fp32_s
+    assert onebit.predicted_comm_fp32_s == pytest.approx(adam.predicted_comm_s)
+
+
+def test_model_that_fits_nowhere_names_the_smallest_shortfall(catalog):
+    # One layer of 2^30 parameters: 16 GiB of state on a single device, whatever the split.
+    fp = layered(2, 2**30, 1e12, 1e6, 1e6)
+    ranks = [V100] * 4
+    topo = uniform_topology(catalog, ranks, gpus_per_node=4, inter_node_gbps=100)
+    result = plan(ranks, catalog, fp, global_batch=8, topology=topo)
+    assert isinstance(result, Infeasible)
+    assert result.reason.startswith("model needs 16.0 GiB per device at micro-batch 1")
+    assert "its V100-16GB has 16 GiB" in result.reason and "\n" not in result.reason
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"global_batch": 0}, "global_batch: must be >= 1"),
+        ({"global_batch": 8, "schedule": "zb"}, "schedule: unknown schedule 'zb'"),
+        ({"global_batch": 8, "max_stages": 0}, "max_stages: must be >= 1"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(catalog, kwargs, match):
+    fp = layered(2, 1000, 1e9, 1e3, 1e3)
+    topo = uniform_topology(catalog, [A100], gpus_per_node=1, inter_node_gbps=1)
+    with pytest.raises(ValueError, match=match):
+        plan([A100], catalog, fp, topology=topo, **kwargs)
