@@ -51,7 +51,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     from hetero_ray.train.prepare import prepare
 
     cfg = load_config(args.config)
-    prepared = prepare(cfg)
+    prepared = prepare(cfg, args.plan)
     import ray
 
     from hetero_ray.train.trainer import run_training
@@ -270,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--output", help="also write the result JSON to this file")
         p.add_argument("--verbose", action="store_true", help="show the workers' logs")
     train.add_argument("--config", required=True, help="run config YAML (see configs/)")
+    train.add_argument("--plan", help="Plan JSON to run (from `hetero-ray plan --output`) instead of planning")
     train.set_defaults(func=cmd_train)
     demo.add_argument("--config", default=str(DEFAULT_CONFIG), help="run config YAML with an emulation section")
     demo.add_argument("--duration", type=float, help="seconds to train (default: the config's train.duration_s)")

@@ -19,11 +19,16 @@ import torch
 import yaml
 
 from hetero_ray.cluster.emulation import EmulatedCluster
+from hetero_ray.config import parse_config
 from hetero_ray.plan.cost import onebit_allreduce_bytes
+from hetero_ray.plan.data_parallel import plan_data_parallel
+from hetero_ray.plan.plan import Infeasible, Plan
 from hetero_ray.train.data import GlobalBatches, collate
+from hetero_ray.train.prepare import prepare
 from hetero_ray.workloads import build_workload
 
 REPO = Path(__file__).resolve().parents[1]
+TINY_MEMORY = REPO / "tests" / "data" / "tiny-memory-gpus.yaml"
 STEPS = 20
 WORKLOAD = {
     "name": "gpt",
@@ -174,6 +179,26 @@ def test_resume_after_stop(cluster, tmp_path, uninterrupted):
     assert resumed["metrics"]["resumed_from_step"] > 0
     assert resumed["metrics"]["step"] == STEPS - 1
     assert max_abs_diff(final_params(resumed), final_params(uninterrupted)) <= 1e-5
+
+
+def test_memory_caps_force_a_pipeline_that_trains_like_one_process(cluster, tmp_path):
+    """With 0.75 MiB per device the model fits on no device whole: data parallelism is infeasible,
+    the planner cuts the model into pipeline stages, and the run ends where one process on the full batch ends."""
+    cfg = run_config(tmp_path / "runs", "pipelined")
+    cfg["gpus_file"] = str(TINY_MEMORY)
+    cfg["train"] = {**cfg["train"], "split": "proportional"}
+    prepared = prepare(parse_config(cfg))
+    types = ["A100-80GB"] * 2 + ["V100-16GB"] * 2
+    assert isinstance(
+        plan_data_parallel(types, prepared.catalog, prepared.footprint, global_batch=12, precision="fp32"), Infeasible
+    )
+    job_id, out = submit(cluster, tmp_path, cfg)
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    result = json.loads(out.read_text())
+    plan = Plan.from_dict(result["metrics"]["plan"])
+    assert plan.is_pipelined and plan.num_pipelines < len(plan.roles)
+    assert all(r.predicted_memory_bytes <= r.memory_cap_bytes for r in plan.roles)
+    assert max_abs_diff(final_params(result), single_process_reference()) <= 1e-5
 
 
 def test_discover_cli_labels_emulated_nodes(cluster):

@@ -5,16 +5,21 @@ Nothing here touches Ray, so bad input is rejected in seconds, before any cluste
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 
 import torch
 
 from hetero_ray.cluster.catalog import Catalog, load_catalog
 from hetero_ray.config import ONEBIT_OPTIMIZERS, ConfigError, RunConfig
 from hetero_ray.perf.footprint import Footprint, cpu_seconds_per_sample, measure_footprint
+from hetero_ray.plan import search
 from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
+from hetero_ray.plan.plan_file import load_plan
+from hetero_ray.plan.topology import NodeKind, Topology
 from hetero_ray.workloads import build_workload
 
 # Modelled step times are stretched to this multiple of what the CPU needs, so
@@ -48,10 +53,56 @@ def rank_types(cfg: RunConfig) -> list[str]:
     return [t for t, n in cfg.devices.items() for _ in range(n)]
 
 
+def topology_for(cfg: RunConfig, catalog: Catalog, types: list[str]) -> Topology:
+    """The links the planner prices: every link is ``cfg.link`` (the slowest link, which an emulated
+    cluster pads every synchronisation to), or free when the config names none (nothing is priced
+    or emulated)."""
+    link = cfg.link
+    bandwidth = link.bandwidth_bytes_s if link else math.inf
+    latency = link.latency_s if link else 0.0
+    per_node = cfg.emulation.gpus_per_node if cfg.emulation else max(cfg.devices.values())
+    return Topology(
+        nodes={
+            t: NodeKind(
+                gpu_type=t,
+                gpus_per_node=per_node,
+                intra_bandwidth_bytes_s=bandwidth,
+                nic_bandwidth_bytes_s=bandwidth,
+                intra_latency_s=latency,
+            )
+            for t in set(types)
+        },
+        inter_latency_s=latency,
+    )
+
+
 def plan_for(
     cfg: RunConfig, types: list[str], catalog: Catalog, footprint: Footprint, efficiency: float, *, emulated: bool
 ) -> Plan:
-    """The plan for workers of ``types`` under ``cfg`` (before launch, and again on the workers Ray gave)."""
+    """The plan for workers of ``types`` under ``cfg`` (before launch, and again on the workers Ray gave).
+
+    A proportional split goes to the placement planner, which weighs pipelines
+    against data parallelism; an equal or explicit split is data parallelism with
+    that split, as asked. 1-bit optimizers stay data-parallel: they do not run on
+    pipeline stages yet.
+    """
+    if cfg.train.split == "proportional" and footprint.layers:
+        plans = search.plan(
+            types,
+            catalog,
+            footprint,
+            global_batch=cfg.train.global_batch,
+            topology=topology_for(cfg, catalog, types),
+            optimizer=cfg.optimizer.name,
+            precision=cfg.train.precision,
+            efficiency=efficiency,
+            emulated=emulated,
+            top_k=1,
+            **({"max_stages": 1} if cfg.optimizer.name in ONEBIT_OPTIMIZERS else {}),
+        )
+        if isinstance(plans, Infeasible):
+            raise PlanError(plans.reason)
+        return plans[0]
     link = cfg.link
     plan = plan_data_parallel(
         types,
@@ -71,8 +122,30 @@ def plan_for(
     return plan
 
 
-def prepare(cfg: RunConfig) -> Prepared:
-    """Validate the run against the catalog and the workload, and plan it; raise on bad input."""
+def given_plan(path: str, cfg: RunConfig, catalog: Catalog, footprint: Footprint) -> Plan:
+    """A plan from a file (``hetero-ray plan --output``), checked against this run's devices and batch."""
+    plan = load_plan(path, catalog=catalog, n_layers=len(footprint.layers) or None)
+    planned = sorted([r.gpu_type for r in plan.roles] + [e.gpu_type for e in plan.excluded for _ in range(e.count)])
+    if planned != sorted(rank_types(cfg)):
+        raise PlanError(
+            f"{path}: the plan is for devices {dict(Counter(planned))}, the config has {dict(cfg.devices)}; "
+            "plan for the config's devices (hetero-ray plan)"
+        )
+    if plan.global_batch != cfg.train.global_batch:
+        raise PlanError(
+            f"{path}: global_batch {plan.global_batch} differs from the config's train.global_batch "
+            f"{cfg.train.global_batch}; use the same batch in both"
+        )
+    if plan.is_pipelined and not footprint.layers:
+        raise PlanError(
+            f"{path}: the plan has pipeline stages but workload {cfg.workload.name!r} cannot be cut into layers"
+        )
+    return plan
+
+
+def prepare(cfg: RunConfig, plan_path: str | None = None) -> Prepared:
+    """Validate the run against the catalog and the workload, and plan it (or check ``plan_path``'s plan);
+    raise on bad input."""
     catalog = load_catalog(cfg.gpus_file)
     for name in cfg.devices:
         if name not in catalog:
@@ -84,7 +157,14 @@ def prepare(cfg: RunConfig) -> Prepared:
             "samples; use a smaller batch or more data"
         )
     efficiency = cfg.emulation.efficiency if cfg.emulation else DEFAULT_EFFICIENCY
-    plan = plan_for(cfg, rank_types(cfg), catalog, footprint, efficiency, emulated=cfg.emulation is not None)
+    emulated = cfg.emulation is not None
+    plan = (
+        given_plan(plan_path, cfg, catalog, footprint)
+        if plan_path
+        else plan_for(cfg, rank_types(cfg), catalog, footprint, efficiency, emulated=emulated)
+    )
+    if plan.emulated != emulated:
+        plan = replace(plan, emulated=emulated)
     dilation = None
     if cfg.emulation is not None:
         dilation = cfg.emulation.dilation
