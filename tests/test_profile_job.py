@@ -92,6 +92,7 @@ def test_job_profiles_every_gpu_type_as_emulated(first_profile):
     ]
     assert got == want
     assert table["emulated"].all() and (table["memory_source"] == HOST_MEMORY).all()
+    assert (table["clock"] == "modelled").all()
     assert (table["workload"] == "gpt").all() and (table["workload_hash"] == options_hash(OPTIONS)).all()
     catalog = load_catalog()
     flops = measure_footprint(lambda: build_workload("gpt", OPTIONS)).flops_per_sample

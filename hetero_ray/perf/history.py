@@ -19,6 +19,11 @@ precision           string          fp32 | tf32 | fp16 | bf16
 step_s              float64         median seconds of one forward+backward+optimizer step
 step_s_spread       float64         interquartile range of the timed repeats, seconds
 repeats             int64           timed repeats behind the median (warm-up excluded)
+clock               string          what ``step_s`` counts: ``wall`` (CUDA synchronised);
+                                    ``thread_cpu``: the CPU time of the one thread that ran
+                                    the step (a single-threaded CPU profile on a shared
+                                    host, where wall time also counts other processes'
+                                    time slices); ``modelled``: an emulated device's model
 threads             int64           torch intra-op threads (CPU); 0 on CUDA
 peak_memory_bytes   int64           peak bytes of one step (see ``memory_source``)
 memory_source       string          ``cuda_max_allocated``: torch.cuda.max_memory_allocated;
@@ -117,6 +122,7 @@ class Measurement:
     step_s: float
     step_s_spread: float
     repeats: int
+    clock: str
     threads: int
     peak_memory_bytes: int
     memory_source: str
@@ -143,6 +149,7 @@ DTYPES: dict[str, str] = {
     "step_s": "float64",
     "step_s_spread": "float64",
     "repeats": "int64",
+    "clock": "string",
     "threads": "int64",
     "peak_memory_bytes": "int64",
     "memory_source": "string",

@@ -161,14 +161,18 @@ def _features(spec: GpuSpec, precision: str) -> list[float]:
     return [1.0 / spec.peak_flops(precision), 1.0 / (spec.memory_bandwidth_gbs * 1e9)]
 
 
-def fit_cross_type(points: Sequence[tuple[GpuSpec, str, float]]) -> CrossType:
-    """Fit ``CrossType`` to (spec, precision, seconds per sample) measured on other types, by relative error."""
+def fit_cross_type(points: Sequence[tuple[GpuSpec, str, float]], *, bandwidth: bool = True) -> CrossType:
+    """Fit ``CrossType`` to (spec, precision, seconds per sample) measured on other types, by relative error.
+
+    ``bandwidth=False`` keeps only the compute term (peak × a learnt efficiency), as
+    fewer than ``MIN_TYPES_FOR_BANDWIDTH`` types do anyway.
+    """
     if not points:
         raise NoHistory("cross-type fit: no measured GPU type to learn from")
     y = np.array([s for _, _, s in points], dtype=float)
     x = np.array([_features(spec, p) for spec, p, _ in points])
     types = {spec.name for spec, _, _ in points}
-    if len(types) < MIN_TYPES_FOR_BANDWIDTH:
+    if not bandwidth or len(types) < MIN_TYPES_FOR_BANDWIDTH:
         x = x[:, :1]
     solved = _relative_lstsq(x, y)
     if solved is None:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch.utils._pytree import tree_map
@@ -39,6 +39,8 @@ from hetero_ray.train.precision import autocast
 from hetero_ray.workloads import Workload
 
 ProgressFn = Callable[[int, int], None]
+Clock = Literal["wall", "thread_cpu"]
+CLOCKS: tuple[Clock, ...] = get_args(Clock)
 
 
 class ProfileError(ValueError):
@@ -57,6 +59,9 @@ class ProfileSpec:
     """Timed steps per point; the row keeps their median."""
     threads: int | None = 1
     """torch intra-op threads on a CPU (1: the figure does not depend on the neighbours' load); None keeps torch's."""
+    clock: Clock = "wall"
+    """What a timed step counts: wall time (CUDA synchronised), or on a CPU with one thread that thread's CPU
+    time, which leaves out the time slices a shared host gives to other processes."""
 
     def __post_init__(self) -> None:
         if not self.micro_batches or any(not isinstance(b, int) or b < 1 for b in self.micro_batches):
@@ -70,6 +75,10 @@ class ProfileSpec:
             raise ProfileError(f"warmup must be >= 0 and repeats >= 1 (got {self.warmup}, {self.repeats})")
         if self.threads is not None and self.threads < 1:
             raise ProfileError(f"threads: must be >= 1 or None (got {self.threads})")
+        if self.clock not in CLOCKS:
+            raise ProfileError(f"clock: {self.clock!r} not known; valid: {', '.join(CLOCKS)}")
+        if self.clock == "thread_cpu" and self.threads != 1:
+            raise ProfileError(f"clock: thread_cpu counts one thread's time; it needs threads=1 (got {self.threads})")
         object.__setattr__(self, "micro_batches", tuple(sorted(set(self.micro_batches))))
         object.__setattr__(self, "precisions", tuple(dict.fromkeys(self.precisions)))
 
@@ -127,12 +136,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_step(workload, model, optimizer, batch, precision, device) -> float:
+def _timed_step(workload, model, optimizer, batch, precision, device, clock: str) -> float:
+    now = time.thread_time if clock == "thread_cpu" else time.perf_counter
     _sync(device)
-    start = time.perf_counter()
+    start = now()
     _step(workload, model, optimizer, batch, precision, device)
     _sync(device)
-    return time.perf_counter() - start
+    return now() - start
 
 
 def _tensor_bytes(tensors) -> int:
@@ -220,6 +230,8 @@ def profile(
     total)`` is called after every step, with ``total`` fixed from the start.
     """
     emulated = target.emulated is not None
+    if spec.clock == "thread_cpu" and (emulated or target.device.type != "cpu"):
+        raise ProfileError("clock: thread_cpu times a CPU's own work; use wall on a GPU or an emulated device")
     total = spec.steps(emulated) * len(spec.precisions)
     done = 0
 
@@ -249,6 +261,7 @@ def profile(
                 "emulated": emulated,
                 "precision": precision,
                 "threads": torch.get_num_threads() if target.device.type == "cpu" else 0,
+                "clock": "modelled" if emulated else spec.clock,
             }
             rows += [Measurement(**identity, **p) for p in points]
     if done < total:
@@ -311,7 +324,7 @@ def _profile_precision(
     times: dict[int, list[float]] = {b: [] for b in batches}
     for _ in range(spec.repeats):
         for b, batch in batches.items():
-            times[b].append(_timed_step(workload, model, optimizer, batch, precision, device))
+            times[b].append(_timed_step(workload, model, optimizer, batch, precision, device, spec.clock))
             advance()
     source = CUDA_MEMORY if device.type == "cuda" else HOST_MEMORY
     return [_fields(b, times[b], memory[b], source, repeats=len(times[b])) for b in batches], skipped
