@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from hetero_ray.plan.memory import in_flight, stage_memory_bytes
@@ -50,8 +51,23 @@ def _role(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int
     )
 
 
-def build_plan(space: Space, shape: Shape, alloc: Allocation, *, emulated: bool) -> Plan:
-    """Roles for every pipeline (pipelines numbered group by group), offsets contiguous, and the explanation."""
+def exclusion(gpu_type: str, count: int, shape: Shape, fits_alone: set[str]) -> Exclusion:
+    """Why ``count`` devices of ``gpu_type`` get no work in this plan."""
+    used = {t for g in shape.groups for t in g.split.stage_types}
+    if gpu_type in used:
+        reason = "left over: too few to form another pipeline of the chosen shapes"
+    elif gpu_type not in fits_alone:
+        reason = "no pipeline of this type alone fits its memory, and the plan is faster without it in a mixed one"
+    else:
+        reason = "the plan is faster without them (their share of the all-reduce or bubble costs more than they add)"
+    return Exclusion(gpu_type=gpu_type, count=count, reason=reason)
+
+
+def build_plan(space: Space, shape: Shape, alloc: Allocation, *, emulated: bool, fits_alone: set[str]) -> Plan:
+    """Roles for every pipeline (pipelines numbered group by group), offsets contiguous, and the explanation.
+
+    ``fits_alone``: the types some single-type pipeline fits (the others can only join a mixed one).
+    """
     pipelines = sum(g.replicas for g in shape.groups)
     roles, offset, p = [], 0, 0
     for g, units in zip(shape.groups, alloc.units):
@@ -60,12 +76,7 @@ def build_plan(space: Space, shape: Shape, alloc: Allocation, *, emulated: bool)
             roles += stage_roles
             offset += stage_roles[0].local_batch
             p += 1
-    excluded = tuple(
-        Exclusion(gpu_type=t, count=n, reason="left over: too few to form another pipeline of the chosen shape")
-        if t in {x for g in shape.groups for x in g.split.stage_types}
-        else Exclusion(gpu_type=t, count=n, reason="the plan is faster without them (memory or communication)")
-        for t, n in shape.excluded
-    )
+    excluded = tuple(exclusion(t, n, shape, fits_alone) for t, n in shape.excluded)
     plan = Plan(
         global_batch=space.global_batch,
         split="planned",
@@ -82,10 +93,36 @@ def build_plan(space: Space, shape: Shape, alloc: Allocation, *, emulated: bool)
 
 def _why_layers(space: Space, g: Group, s: int) -> str:
     split = g.split
-    t = split.stage_types[s]
     if split.stage_seconds[s] >= split.pace * 0.98:
-        return f"it paces the pipeline at {split.stage_seconds[s] * 1e3:.3g} ms per micro-batch"
-    return f"fewer layers keep it under the slowest stage ({split.stage_seconds[s] * 1e3:.3g} of {split.pace * 1e3:.3g} ms per micro-batch) and within {space.tables[t].cap_bytes / GiB:g} GiB"
+        return f"that paces the pipeline at {split.pace * 1e3:.3g} ms per micro-batch"
+    return (
+        f"the split balances it against the slowest stage: {split.stage_seconds[s] * 1e3:.3g} of "
+        f"{split.pace * 1e3:.3g} ms per micro-batch"
+    )
+
+
+def _stage_runs(space: Space, g: Group, roles) -> list[str]:
+    """Consecutive stages of one type that pace the pipeline alike, described together."""
+    split = g.split
+
+    def key(s: int):
+        pacing = split.stage_seconds[s] >= split.pace * 0.98
+        return (split.stage_types[s], roles[s].activation_checkpointing, pacing or s)
+
+    parts = []
+    for _, run in itertools.groupby(range(split.stages), key=key):
+        run = list(run)
+        first, last = roles[run[0]], roles[run[-1]]
+        counts = "/".join(str(roles[s].layers[1] - roles[s].layers[0]) for s in run)
+        where = f"stage {run[0]}" if len(run) == 1 else f"stages {run[0]}-{run[-1]}"
+        memory = max(roles[s].predicted_memory_bytes for s in run)
+        parts.append(
+            f"{where} on {g.replicas} × {first.gpu_type} ({first.precision}) hold{'s' * (len(run) == 1)} "
+            f"{counts} layers [{first.layers[0]}, {last.layers[1]}) because {_why_layers(space, g, run[0])}; "
+            f"up to {memory / GiB:.2f} of {first.memory_cap_bytes / GiB:g} GiB"
+            + (", with activation checkpointing to fit" if first.activation_checkpointing else "")
+        )
+    return parts
 
 
 def explain(space: Space, shape: Shape, alloc: Allocation, plan: Plan) -> str:
@@ -118,15 +155,7 @@ def explain(space: Space, shape: Shape, alloc: Allocation, plan: Plan) -> str:
                 f"({' → '.join(split.stage_types)}), {per} samples each in micro-batches of {split.micro} "
                 f"({space.schedule.upper()})"
             )
-            parts = []
-            for s, r in enumerate(roles):
-                i, j = r.layers
-                parts.append(
-                    f"stage {s} on {g.replicas} × {r.gpu_type} ({r.precision}) holds {j - i} layers [{i}, {j}) "
-                    f"because {_why_layers(space, g, s)}; {r.predicted_memory_bytes / GiB:.2f} of "
-                    f"{r.memory_cap_bytes / GiB:g} GiB"
-                    + (", with activation checkpointing to fit" if r.activation_checkpointing else "")
-                )
+            parts = _stage_runs(space, g, roles)
             lines.append(head + ": " + "; ".join(parts))
         first += g.replicas
     lines += [f"{e.count} × {e.gpu_type} unused: {e.reason}" for e in plan.excluded]

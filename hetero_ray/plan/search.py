@@ -12,8 +12,8 @@ same one): devices of one type are interchangeable, so a plan is a *shape* —
  - for every type, the devices left over form ⌊n / S_t⌋ replicas of an S_t-stage
    pipeline of that type alone, S_t ∈ {0 (type unused), 1 (data parallel), 2, 4, 8, …};
  - for each kind: a contiguous split of the L layers, activation checkpointing per
-   stage, and one micro-batch size per kind (the candidate with the shortest
-   time for a pipeline's even share of the batch);
+   stage, and one micro-batch size per kind (the shortest time per sample for a
+   pipeline's even share of the batch, trying sizes upwards while it improves);
  - the global batch split over pipelines in micro-batches, minimising the slowest
    pipeline (``allocate``); precision per type from ``choose_precision``
    (half precision is faster and smaller wherever the card has it).
@@ -39,6 +39,8 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.config import ONEBIT_OPTIMIZERS
@@ -275,13 +277,20 @@ class Kinds:
         intra = {t: topo.intra(t) for t in set(stage_types)}
         return stage_links(stage_types, intra, topo.inter(set(stage_types)), lambda t: topo.node(t).gpus_per_node)
 
-    def candidates(self, stage_types: tuple[str, ...]) -> list[KindSplit]:
-        """The best split at every micro-batch candidate that fits (one-stage kinds: micro-batch 1)."""
+    def get(self, stage_types: tuple[str, ...]) -> KindSplit | None:
+        """The kind's split at the micro-batch that runs its even share of the batch fastest per sample.
+
+        Micro-batches are tried in increasing order while the time per sample improves: a larger
+        one amortises per-message latency but lengthens the fill and drain, so the time per sample
+        falls, then rises.
+        """
+        if stage_types in self._cache:
+            return self._cache[stage_types]
         sp = self.space
-        micros = sp.micro_batches if len(stage_types) > 1 else (1,)
         links = self.links(stage_types)
-        out = []
-        for m in micros:
+        share = self.share(stage_types)
+        best, best_rate = None, math.inf
+        for m in sp.micro_batches if len(stage_types) > 1 else (1,):
             if m > sp.global_batch:
                 break
             split = split_kind(
@@ -289,29 +298,18 @@ class Kinds:
             )
             if split is None:
                 break  # a larger micro-batch needs more memory still
-            out.append(split)
-        return out
-
-    def get(self, stage_types: tuple[str, ...]) -> KindSplit | None:
-        if stage_types not in self._cache:
-            self._cache[stage_types] = choose_micro(self.candidates(stage_types), self.share(stage_types))
-        return self._cache[stage_types]
+            units = max(1, round(share / m))
+            rate = pipeline_time(split, units) / (units * m)
+            if rate >= best_rate * (1 - 1e-12):
+                break
+            best, best_rate = split, rate
+        self._cache[stage_types] = best
+        return best
 
     def share(self, stage_types: tuple[str, ...]) -> float:
         """Samples one pipeline of this kind would get if every device ran this many stages."""
         devices = sum(self.space.counts.values())
         return self.space.global_batch * len(stage_types) / devices
-
-
-def choose_micro(splits: Sequence[KindSplit], share: float) -> KindSplit | None:
-    """The split whose pipeline runs ``share`` samples (rounded to its micro-batch) fastest per sample."""
-    best, best_rate = None, math.inf
-    for s in splits:
-        units = max(1, round(share / s.micro))
-        rate = pipeline_time(s, units) / (units * s.micro)
-        if rate < best_rate * (1 - 1e-12):
-            best, best_rate = s, rate
-    return best
 
 
 def dp_micro_cap(table: TypeTable, split: KindSplit, optimizer: str) -> int:
@@ -331,34 +329,123 @@ def local_members(space: Space, stage_types: tuple[str, ...], replicas: int) -> 
     return tuple(out)
 
 
-def shapes(space: Space, kinds: Kinds):
-    """Every shape of the plan space whose kinds fit in memory: (groups, unused devices per type)."""
+@dataclass(frozen=True)
+class Block:
+    """The shapes that share one mixed kind (or none): every type's stage-count options, crossed.
+
+    ``options[i]`` lists, for type ``space.order[i]``, each choice's group (``None``: the
+    type unused) and the devices it leaves over; ``lower[cell]`` bounds the step of the
+    shape that picks option ``cell[i]`` for every type i (``inf`` where it has no pipeline
+    or more pipelines than samples).
+    """
+
+    fixed: tuple[Group, ...]
+    options: tuple[tuple[tuple[Group | None, int], ...], ...]
+    lower: np.ndarray
+
+    def shape(
+        self, cell: tuple[int, ...], order: Sequence[str]
+    ) -> tuple[tuple[Group, ...], tuple[tuple[str, int], ...]]:
+        """(groups, unused devices per type) of one cell."""
+        picks = [self.options[i][o] for i, o in enumerate(cell)]
+        groups = self.fixed + tuple(g for g, _ in picks if g is not None)
+        mixed_types = {t for g in self.fixed for t in g.split.stage_types}
+        unused = tuple((t, n) for t, (_, n) in zip(order, picks) if n)
+        return groups, tuple(sorted(unused, key=lambda u: u[0] not in mixed_types))
+
+
+def blocks(space: Space, kinds: Kinds, group) -> list[Block]:
+    """Every shape of the plan space whose kinds fit in memory, as one block per mixed kind (or none)."""
+    out = []
     for mixed in [None, *space.mixed_compositions()]:
         left = dict(space.counts)
-        fixed: list[tuple[tuple[str, ...], int]] = []
+        fixed: tuple[Group, ...] = ()
         if mixed is not None:
             types = kind_types(mixed, space.order)
             if kinds.get(types) is None:
                 continue
             r = min(space.counts[t] // c for t, c in mixed.items())
-            fixed.append((types, r))
+            fixed = (group(types, r),)
             for t, c in mixed.items():
                 left[t] -= r * c
-        options = []
-        for t in space.order:
-            opts = [s for s in space.stage_options(t, left[t]) if s == 0 or kinds.get((t,) * s) is not None]
-            options.append(opts)
-        for choice in itertools.product(*options):
-            groups = list(fixed)
-            unused = []
-            for t, s in zip(space.order, choice):
-                used = (left[t] // s) * s if s else 0
-                if s:
-                    groups.append(((t,) * s, left[t] // s))
-                if left[t] - used:
-                    unused.append((t, left[t] - used))
-            if groups:
-                yield groups, tuple(unused)
+        options = tuple(
+            tuple(
+                (group((t,) * s, left[t] // s), left[t] % s) if s else (None, left[t])
+                for s in space.stage_options(t, left[t])
+                if s == 0 or kinds.get((t,) * s) is not None
+            )
+            for t in space.order
+        )
+        out.append(Block(fixed=fixed, options=options, lower=block_lower_bounds(space, fixed, options)))
+    return out
+
+
+def block_lower_bounds(space: Space, fixed: Sequence[Group], options) -> np.ndarray:
+    """Per cell of a block: ``allocation_bound`` plus the fp32 communication, computed on the whole grid at once.
+
+    For 1-bit optimizers (communication priced compressed) the bound is the compute bound alone.
+    """
+    dims = tuple(len(o) for o in options)
+
+    def per_option(value, empty: float) -> list[np.ndarray]:
+        arrays = []
+        for axis, opts in enumerate(options):
+            shape = [1] * len(dims)
+            shape[axis] = dims[axis]
+            arrays.append(np.array([value(g) if g is not None else empty for g, _ in opts], float).reshape(shape))
+        return arrays
+
+    def summed(value) -> np.ndarray:
+        return np.broadcast_to(sum(per_option(value, 0.0), sum(value(g) for g in fixed)), dims)
+
+    ru, rate, offset = (summed(lambda g, k=k: g.bound_terms[k]) for k in range(3))
+    fill = np.broadcast_to(
+        functools.reduce(
+            np.maximum, per_option(lambda g: g.bound_terms[3], 0.0), max((g.bound_terms[3] for g in fixed), default=0.0)
+        ),
+        dims,
+    )
+    count = summed(lambda g: 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bound = np.maximum(fill, (space.global_batch - ru + offset) / rate)
+    valid = (count > 0) & (ru <= space.global_batch)
+    if space.optimizer in ONEBIT_OPTIMIZERS:
+        return np.where(valid, bound, np.inf)
+    pipelines = summed(lambda g: g.replicas)
+    nodes = summed(lambda g: -(-g.replicas // min(g.local)))
+    topo = space.topology
+
+    def nic(g: Group) -> float:
+        return min(topo.node(t).nic_bandwidth_bytes_s for t in g.split.stage_types)
+
+    bandwidth = np.broadcast_to(
+        functools.reduce(np.minimum, per_option(nic, np.inf), min((nic(g) for g in fixed), default=np.inf)), dims
+    )
+    comm = np.zeros(dims)
+    for g in fixed:
+        comm = np.maximum(comm, group_comm_grid(g, topo, pipelines, nodes, bandwidth))
+    for axis, opts in enumerate(options):
+        for o, (g, _) in enumerate(opts):
+            if g is not None:
+                at = tuple(o if a == axis else slice(None) for a in range(len(dims)))
+                comm[at] = np.maximum(comm[at], group_comm_grid(g, topo, pipelines[at], nodes[at], bandwidth[at]))
+    return np.where(valid, bound + comm, np.inf)
+
+
+def group_comm_grid(g: Group, topology: Topology, pipelines, nodes, bandwidth) -> np.ndarray:
+    """``group_comm_seconds`` (fp32) on arrays of pipeline counts, node counts and inter-node bandwidths."""
+    worst = np.zeros(np.shape(pipelines))
+    for s, t in largest_stage_per_type(g.split):
+        local = np.where(nodes == 1, pipelines, g.local[s])
+        seconds = hierarchical_allreduce_seconds(
+            4.0 * g.split.stage_params[s],
+            local=local,
+            nodes=nodes,
+            intra=topology.intra(t),
+            inter=(bandwidth, topology.inter_latency_s),
+        )
+        worst = np.maximum(worst, seconds)
+    return worst
 
 
 def make_group(space: Space, kinds: Kinds, types: tuple[str, ...], replicas: int) -> Group:
@@ -473,34 +560,40 @@ def plan(
     )
     kinds = Kinds(space)
     made: dict[tuple[tuple[str, ...], int], Group] = {}
-    candidates = []  # (compute bound, groups, unused)
-    for groups, unused in shapes(space, kinds):
-        gs = tuple(made.get(k) or made.setdefault(k, make_group(space, kinds, *k)) for k in groups)
-        if sum(g.replicas * g.unit for g in gs) <= space.global_batch:
-            candidates.append((allocation_bound(space.global_batch, gs), gs, unused))
-    if not candidates:
+
+    def group(types: tuple[str, ...], replicas: int) -> Group:
+        if (types, replicas) not in made:
+            made[types, replicas] = make_group(space, kinds, types, replicas)
+        return made[types, replicas]
+
+    space_blocks = blocks(space, kinds, group)
+    lower = np.concatenate([b.lower.ravel() for b in space_blocks]) if space_blocks else np.empty(0)
+    owner = np.concatenate([np.full(b.lower.size, i) for i, b in enumerate(space_blocks)]) if space_blocks else lower
+    start = np.concatenate([[0], np.cumsum([b.lower.size for b in space_blocks])])
+    if not np.isfinite(lower).any():
         return Infeasible(infeasible_reason(space))
-    # Branch and bound: shapes in order of their compute bound; communication is exact, so a
-    # shape whose bound plus communication passes the k-th best step is skipped, and the
-    # walk stops once the compute bound alone passes it.
-    candidates.sort(key=lambda c: c[0])
+    # Branch and bound, exact over the space: shapes in order of their lower bound (the continuous
+    # batch split plus the exact communication); the walk stops when the bound passes the k-th best.
     best: list[tuple[float, int, Shape, Allocation]] = []  # max-heap of the top_k by step time
-    for i, (bound, gs, unused) in enumerate(candidates):
+    for i in np.argsort(lower, kind="stable"):
         kth = -best[0][0] if len(best) == top_k else math.inf
-        if bound >= kth:
+        if lower[i] >= kth:
             break
+        b = space_blocks[owner[i]]
+        gs, unused = b.shape(np.unravel_index(i - start[owner[i]], b.lower.shape), space.order)
         comm, fp32 = shape_comm(space, gs)
-        if bound + comm >= kth:
+        bound = allocation_bound(space.global_batch, gs) + comm
+        if bound >= kth:
             continue
         alloc = allocate(space.global_batch, gs)
         if alloc is None:
             continue
         step = alloc.seconds + comm
-        shape = Shape(groups=gs, excluded=unused, comm_s=comm, comm_fp32_s=fp32, bound=bound + comm)
+        shape = Shape(groups=gs, excluded=unused, comm_s=comm, comm_fp32_s=fp32, bound=bound)
         if len(best) < top_k:
-            heapq.heappush(best, (-step, -i, shape, alloc))
+            heapq.heappush(best, (-step, -int(i), shape, alloc))
         elif step < kth:
-            heapq.heapreplace(best, (-step, -i, shape, alloc))
+            heapq.heapreplace(best, (-step, -int(i), shape, alloc))
     if not best:
         return Infeasible(
             f"global batch {global_batch} cannot be split over any plan's pipelines in whole micro-batches; "
@@ -510,7 +603,10 @@ def plan(
     # Imported here: explain builds on this module's types.
     from hetero_ray.plan.explain import build_plan
 
-    return [build_plan(space, shape, alloc, emulated=emulated) for _, _, shape, alloc in ranked]
+    fits_alone = {
+        t for t in space.order if any(kinds.get((t,) * s) for s in space.stage_options(t, space.counts[t])[1:])
+    }
+    return [build_plan(space, shape, alloc, emulated=emulated, fits_alone=fits_alone) for _, _, shape, alloc in ranked]
 
 
 def infeasible_reason(space: Space) -> str:

@@ -127,17 +127,8 @@ class StageCost:
 
 
 @functools.lru_cache(maxsize=4096)
-def stage_cost(
-    table: TypeTable,
-    *,
-    micro: int,
-    flight: int,
-    optimizer: str,
-    world: int,
-    link_in: Link | None,
-    link_out: Link | None,
-) -> StageCost:
-    """Cost of holding layers [i, j) as one stage of ``table``'s type, for every (i, j)."""
+def stage_work(table: TypeTable, *, micro: int, flight: int, optimizer: str, world: int) -> StageCost:
+    """Compute, memory fit and checkpointing of layers [i, j) on ``table``'s type, messages aside."""
     p = table.params[None, :] - table.params[:, None]
     static = static_matrix(p, optimizer, world)
     act = (table.act[None, :] - table.act[:, None]) * table.scale * flight * micro
@@ -151,22 +142,39 @@ def stage_cost(
     plain = valid & (mem_plain <= table.cap_bytes)
     ckpt = valid & ~plain & (mem_ckpt <= table.cap_bytes)
     compute = np.where(ckpt, compute * RECOMPUTE_FACTOR, compute)
-    seconds = compute.copy()
-    # Messages: the backward sends the input's gradient to the previous stage, the forward
-    # sends the output to the next one; each is priced on the sending stage.
-    if link_in is not None:
-        prev_out = np.concatenate([[0.0], table.out])  # output bytes of layer i-1
-        seconds = seconds + (micro * prev_out * table.scale / link_in[0] + link_in[1])[:, None]
-    if link_out is not None:
-        last_out = np.concatenate([[0.0], table.out])  # output bytes of layer j-1
-        seconds = seconds + (micro * last_out * table.scale / link_out[0] + link_out[1])[None, :]
-    seconds = np.where(plain | ckpt, seconds, np.inf)
     return StageCost(
-        seconds=seconds,
+        seconds=np.where(plain | ckpt, compute, np.inf),
         compute=compute,
         checkpointing=ckpt,
         shortfall=np.where(valid, mem_ckpt - table.cap_bytes, np.inf),
     )
+
+
+def stage_cost(
+    table: TypeTable,
+    *,
+    micro: int,
+    flight: int,
+    optimizer: str,
+    world: int,
+    link_in: Link | None,
+    link_out: Link | None,
+) -> StageCost:
+    """Cost of holding layers [i, j) as one stage of ``table``'s type, for every (i, j).
+
+    Messages: the backward sends the input's gradient to the previous stage, the
+    forward sends the output to the next one; each is priced on the sending stage.
+    """
+    work = stage_work(table, micro=micro, flight=flight, optimizer=optimizer, world=world)
+    if link_in is None and link_out is None:
+        return work
+    out = np.concatenate([[0.0], table.out])  # output bytes of layer k-1, for a boundary at k
+    seconds = work.seconds
+    if link_in is not None:
+        seconds = seconds + (micro * out * table.scale / link_in[0] + link_in[1])[:, None]
+    if link_out is not None:
+        seconds = seconds + (micro * out * table.scale / link_out[0] + link_out[1])[None, :]
+    return StageCost(seconds=seconds, compute=work.compute, checkpointing=work.checkpointing, shortfall=work.shortfall)
 
 
 def min_max_split(costs: list[np.ndarray]) -> tuple[int, ...] | None:
