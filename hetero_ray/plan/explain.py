@@ -152,7 +152,7 @@ def explain(space: Space, shape: Shape, alloc: Allocation, plan: Plan) -> str:
         else:
             head = (
                 f"{g.replicas} pipeline{'s' * (g.replicas > 1)} of {split.stages} stages "
-                f"({' → '.join(split.stage_types)}), {per} samples each in micro-batches of {split.micro} "
+                f"({' → '.join(f'{len(list(r))} × {t}' for t, r in itertools.groupby(split.stage_types))}), {per} samples each in micro-batches of {split.micro} "
                 f"({space.schedule.upper()})"
             )
             parts = _stage_runs(space, g, roles)
