@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from hetero_ray.cli import main
+from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.plan.plan import Plan
+from hetero_ray.plan.plan_file import load_plan
 
 TINY = '{"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 64, "corpus_bytes": 200000}'
 # One block of 12 × 10240² ≈ 1.26 G parameters: 18.8 GiB of weights, gradients and Adam state on one device.
@@ -35,6 +37,8 @@ def test_plan_writes_a_plan_that_from_dict_reads(cluster: Path, tmp_path: Path, 
     assert main([*argv, "--json", "--top", "3"]) == 0
     printed = json.loads(capsys.readouterr().out)
     plan = Plan.from_dict(json.loads(out.read_text()))
+    # What `jobs/train.py --plan` reads: the file passes its checks.
+    assert load_plan(str(out), catalog=load_catalog(), n_layers=4) == plan
     assert plan == Plan.from_dict(printed["plans"][0])
     assert plan.global_batch == 48 and sum(r.gpu_type == "V100-16GB" for r in plan.roles) <= 4
     assert len(printed["plans"]) <= 3 and plan.explanation

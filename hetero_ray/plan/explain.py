@@ -79,7 +79,8 @@ def build_plan(space: Space, shape: Shape, alloc: Allocation, *, emulated: bool,
     excluded = tuple(exclusion(t, n, shape, fits_alone) for t, n in shape.excluded)
     plan = Plan(
         global_batch=space.global_batch,
-        split="planned",
+        # The batch is split by modelled speed, as the data-parallel planner's proportional split.
+        split="proportional",
         emulated=emulated,
         roles=tuple(roles),
         predicted_compute_s=alloc.seconds,
