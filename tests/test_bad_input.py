@@ -1,29 +1,48 @@
-"""Bad input through the real CLI: one line on stderr, exit code 2, no traceback, no result file.
+"""Bad input across every entry point: one clear line, exit code 2 from a CLI, nothing written.
 
-Every case fails in ``load_config`` or ``prepare``, before any Ray connection. As a
-safety net RAY_ADDRESS points at a closed port, so a case that got past ``prepare``
-could never reach a running cluster, and each case has a timeout.
+Each case runs through its real entry point: ``hetero_ray.cli.main`` in this process
+(``hetero-ray train / demo / discover``), ``python jobs/train.py`` and
+``python -m hetero_ray.cli`` as subprocesses for a few, ``load_plan`` for Plan JSON
+files, and Ray's own cluster-launcher validator for ``cluster.yaml`` (as
+``tests/test_cluster_yaml.py`` and ``ray up`` run it). Every case must fail before any
+Ray connection: in this process ``ray.init`` raises if reached; subprocesses get a
+closed port in RAY_ADDRESS and a timeout.
+
+``test_bad_inputs_doc_is_current`` rebuilds ``docs/bad-inputs.md`` from the cases
+and fails when the committed file differs; ``HETERO_RAY_UPDATE_DOCS=1`` rewrites it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import json
 import os
 import re
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
+import jsonschema
 import pytest
 import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
 
-from hetero_ray.cluster.catalog import GPUS_ENV_VAR
+from hetero_ray.cli import main
+from hetero_ray.cluster.catalog import GPUS_ENV_VAR, load_catalog
 from hetero_ray.config import load_config
+from hetero_ray.plan.plan import PlanError
+from hetero_ray.plan.plan_file import load_plan
 from hetero_ray.train.prepare import prepare
 
 REPO = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 60
+DOC = REPO / "docs" / "bad-inputs.md"
+TIMEOUT_S = 120
 TINY_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "corpus_bytes": 20_000}
 BASE: dict = {
     "devices": {"A100-80GB": 1, "V100-16GB": 1},
@@ -32,11 +51,39 @@ BASE: dict = {
     "train": {"global_batch": 4, "steps": 2},
 }
 HUGE_GPT = {"n_layer": 48, "n_embd": 8192, "n_head": 64, "block_size": 2048}
+CLOSED_PORT = "127.0.0.1:1"
+NO_EXIT = "—"
 
 
-def config(**changes) -> str:
-    """YAML of the base config with each ``section`` or ``section__key`` set to its value."""
-    data = copy.deepcopy(BASE)
+@dataclass(frozen=True)
+class Outcome:
+    """What an entry point did with a bad input."""
+
+    stderr: str
+    exit_code: int | str
+    """The process's exit code, or ``NO_EXIT`` for a library call (which raised)."""
+    traceback: bool
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    entry: str
+    shown: str
+    """The bad input, as the table shows it."""
+    run: Callable[[Path], Outcome]
+    pattern: str
+    """Regex the error line must match; ``{dir}`` stands for the case's directory."""
+    known_bug: str = ""
+    """Where the entry point breaks the contract today; the case is then an expected failure."""
+
+
+# --- inputs -----------------------------------------------------------------------------
+
+
+def config(d: Path, **changes) -> str:
+    """YAML of the base config with each ``section`` or ``section__key`` set; run storage inside ``d``."""
+    data = copy.deepcopy(BASE) | {"run": {"name": "bad", "storage_path": str(d / "runs")}}
     for where, value in changes.items():
         section, _, key = where.partition("__")
         if key:
@@ -46,143 +93,510 @@ def config(**changes) -> str:
     return yaml.safe_dump(data)
 
 
-def bad_gpus_file(tmp_path: Path) -> str:
-    (tmp_path / "gpus.yaml").write_text(
-        "gpus:\n  Tiny-GPU:\n    architecture: test\n    compute_capability: [8, 0]\n    memory_gib: -1\n"
-        "    memory_bandwidth_gbs: 1\n    peak_tflops: {fp32: 1}\n    interconnect: none\n"
-        "    interconnect_gbs: 1\n    nvml_names: []\n    source: test\n"
-    )
-    return config(gpus_file=str(tmp_path / "gpus.yaml"))
+BAD_GPUS_YAML = (
+    "gpus:\n  Tiny-GPU:\n    architecture: test\n    compute_capability: [8, 0]\n    memory_gib: -1\n"
+    "    memory_bandwidth_gbs: 1\n    peak_tflops: {fp32: 1}\n    interconnect: none\n"
+    "    interconnect_gbs: 1\n    nvml_names: []\n    source: test\n"
+)
 
 
-# (config text from tmp_path, or None for a missing file; regex the message must match).
-# In the regex, {config} stands for the config file's path and {dir} for tmp_path.
+def bad_gpus_file(d: Path) -> Path:
+    (d / "gpus.yaml").write_text(BAD_GPUS_YAML)
+    return d / "gpus.yaml"
+
+
+def plan_dict() -> dict:
+    """A sound Plan for 1 × A100-80GB + 2 × V100-16GB, global batch 8 (built by the planner)."""
+    cfg = {**BASE, "devices": {"A100-80GB": 1, "V100-16GB": 2}, "train": {"global_batch": 8, "steps": 2}}
+    from hetero_ray.config import parse_config
+
+    return prepare(parse_config(cfg)).plan.to_dict()
+
+
+def pipeline_plan_dict() -> dict:
+    """Two 2-stage pipelines over 4 layers (A100 holds 3 layers, V100 1), each half the batch."""
+    role = {
+        "gpu_type": "A100-80GB",
+        "local_batch": 4,
+        "micro_batch": 2,
+        "sample_offset": 0,
+        "precision": "bf16",
+        "predicted_compute_s": 0.1,
+        "predicted_memory_bytes": 1e9,
+        "memory_cap_bytes": 80 * 2**30,
+    }
+    roles = []
+    for p in range(2):
+        roles.append({**role, "pipeline": p, "stage": 0, "layers": [0, 3], "sample_offset": 4 * p})
+        roles.append({**role, "gpu_type": "V100-16GB", "precision": "fp16", "pipeline": p, "stage": 1,
+                      "layers": [3, 4], "sample_offset": 4 * p, "memory_cap_bytes": 16 * 2**30})  # fmt: skip
+    return {"global_batch": 8, "split": "proportional", "emulated": True, "roles": roles, "predicted_compute_s": 0.3}
+
+
+def edit(data: dict, path: str, value) -> dict:
+    """``data`` with the value at a dotted ``path`` (list indices as numbers) set; ``...`` deletes it."""
+    data = copy.deepcopy(data)
+    *parents, last = [int(k) if k.isdigit() else k for k in path.split(".")]
+    node = data
+    for key in parents:
+        node = node[key]
+    if value is ...:
+        del node[last]
+    else:
+        node[last] = value
+    return data
+
+
+# --- runners ----------------------------------------------------------------------------
+
+
+class ReachedRay(Exception):
+    """A bad input got as far as connecting to Ray: it was not rejected before launch."""
+
+
+@contextlib.contextmanager
+def isolated_env(**env: str):
+    """One in-process case: no user GPU file unless given, and ``ray.init`` fails at once if reached."""
+    saved = dict(os.environ)
+    os.environ.pop(GPUS_ENV_VAR, None)
+    os.environ.update({"RAY_ADDRESS": CLOSED_PORT, **env})
+    try:
+        with mock.patch("ray.init", side_effect=ReachedRay("ray.init was reached")):
+            yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def cli(argv: Callable[[Path], list[str]], **env: Callable[[Path], str]) -> Callable[[Path], Outcome]:
+    """``hetero_ray.cli.main(argv)`` in this process; argparse's exits are caught as exit codes."""
+
+    def run(d: Path) -> Outcome:
+        err, out = io.StringIO(), io.StringIO()
+        tb = False
+        with isolated_env(**{k: f(d) for k, f in env.items()}):
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+                try:
+                    code = main(argv(d))
+                except SystemExit as exc:
+                    code = exc.code
+                except Exception:  # an escaped exception is what this test exists to catch
+                    traceback.print_exc(file=err)
+                    code, tb = 1, True
+        return Outcome(stderr=err.getvalue() + out.getvalue(), exit_code=code, traceback=tb)
+
+    return run
+
+
+def process(argv: Callable[[Path], list[str]]) -> Callable[[Path], Outcome]:
+    """A real process, as ``ray job submit`` would start it."""
+
+    def run(d: Path) -> Outcome:
+        env = {**os.environ, "RAY_ADDRESS": CLOSED_PORT}
+        env.pop(GPUS_ENV_VAR, None)
+        proc = subprocess.run(argv(d), cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        text = proc.stderr + proc.stdout
+        return Outcome(stderr=proc.stderr, exit_code=proc.returncode, traceback="Traceback" in text)
+
+    return run
+
+
+def plan_file(make: Callable[[], dict | str], **kwargs) -> Callable[[Path], Outcome]:
+    """``load_plan`` on a file holding ``make()`` (JSON-encoded unless already text)."""
+
+    def run(d: Path) -> Outcome:
+        path = d / "plan.json"
+        data = make()
+        if data is not None:
+            path.write_text(data if isinstance(data, str) else json.dumps(data))
+        try:
+            load_plan(path, **{k: v() for k, v in kwargs.items()})
+        except PlanError as exc:
+            return Outcome(stderr=f"{exc}\n", exit_code=NO_EXIT, traceback=False)
+        return Outcome(stderr="", exit_code=NO_EXIT, traceback=False)
+
+    return run
+
+
+def cluster_yaml(mutate: Callable[[dict], None]) -> Callable[[Path], Outcome]:
+    """Ray's cluster-launcher validation (what ``ray up`` runs) of the repo's cluster.yaml, changed."""
+
+    def run(d: Path) -> Outcome:
+        data = yaml.safe_load((REPO / "cluster.yaml").read_text())
+        mutate(data)
+        try:
+            validate_config(prepare_config(data))
+        except jsonschema.ValidationError as exc:
+            where = ".".join(str(p) for p in exc.absolute_path) or "(top level)"
+            return Outcome(stderr=f"cluster.yaml: {where}: {exc.message}\n", exit_code=NO_EXIT, traceback=False)
+        except ValueError as exc:  # Ray's own checks beyond the schema
+            return Outcome(stderr=f"cluster.yaml: {exc}\n", exit_code=NO_EXIT, traceback=False)
+        return Outcome(stderr="", exit_code=NO_EXIT, traceback=False)
+
+    return run
+
+
+def train(make: Callable[[Path], str | None]) -> Callable[[Path], list[str]]:
+    """``train --config <d>/run.yaml --output <d>/result.json`` with ``make(d)`` as the config text."""
+
+    def argv(d: Path) -> list[str]:
+        text = make(d)
+        if text is not None:
+            (d / "run.yaml").write_text(text)
+        return ["train", "--config", str(d / "run.yaml"), "--output", str(d / "result.json")]
+
+    return argv
+
+
+CLUSTER_TEXT = (REPO / "cluster.yaml").read_text()
+
+
+def two_device_plan() -> dict:
+    """The planner's Plan for BASE's devices and batch."""
+    from hetero_ray.config import parse_config
+
+    return prepare(parse_config(BASE)).plan.to_dict()
+
+
+def train_plan(make: Callable[[], dict | str]) -> Callable[[Path], list[str]]:
+    """``train`` on BASE's config with ``--plan <d>/plan.json`` holding ``make()``."""
+
+    def argv(d: Path) -> list[str]:
+        data = make()
+        (d / "plan.json").write_text(data if isinstance(data, str) else json.dumps(data))
+        return [*train(lambda d: config(d))(d), "--plan", str(d / "plan.json")]
+
+    return argv
+
+
+def plan_cmd(make: Callable[[Path], str], *args: str) -> Callable[[Path], list[str]]:
+    """``plan --cluster <d>/cluster.yaml --output <d>/out.json ARGS`` with ``make(d)`` as cluster.yaml."""
+
+    def argv(d: Path) -> list[str]:
+        (d / "cluster.yaml").write_text(make(d))
+        return ["plan", "--cluster", str(d / "cluster.yaml"), "--output", str(d / "out.json"), *args]
+
+    return argv
+
+
+def simulate(*args: str) -> Callable[[Path], list[str]]:
+    return lambda d: ["simulate", "--output", str(d / "out.json"), *args]
+
+
+def profile(*args: str) -> Callable[[Path], list[str]]:
+    return lambda d: ["profile", "--history", str(d / "history.parquet"), *args]
+
+
+def set_node_type(key: str, value) -> Callable[[dict], None]:
+    def mutate(data: dict) -> None:
+        data["available_node_types"]["a100-80gb-x8"][key] = value
+
+    return mutate
+
+
+# --- the cases --------------------------------------------------------------------------
+
+TRAIN = "hetero-ray train"
+PLAN = "Plan JSON (load_plan)"
+CLUSTER = "cluster.yaml (Ray's validator)"
+CFG = r"{dir}/run\.yaml"
+PLN = r"{dir}/plan\.json"
+
 CASES = [
-    pytest.param(
-        lambda d: "devices: {A100-80GB: 1\n", r"{config}: line 2, column 1: malformed YAML", id="malformed-yaml"
-    ),
-    pytest.param(lambda d: "", r"{config}: expected a mapping", id="empty-file"),
-    pytest.param(lambda d: None, r"{config}: cannot read config", id="missing-file"),
-    pytest.param(lambda d: config(bogus=1), r"{config}: bogus: unknown key", id="unknown-top-level-key"),
-    pytest.param(lambda d: config(train__bogus=1), r"{config}: train\.bogus: unknown key", id="unknown-train-key"),
-    pytest.param(lambda d: config(devices={"Z100": 1}), r"devices: unknown GPU type 'Z100'", id="unknown-gpu"),
-    pytest.param(
-        lambda d: config(train__global_batch=0),
-        r"{config}: train\.global_batch: .*greater than 0",
-        id="zero-global-batch",
-    ),
-    pytest.param(
-        lambda d: config(train__global_batch=-3),
-        r"{config}: train\.global_batch: .*greater than 0",
-        id="negative-global-batch",
-    ),
-    pytest.param(
-        lambda d: config(devices={"A100-80GB": 0, "V100-16GB": 1}),
-        r"{config}: devices: .*>= 1",
-        id="zero-workers",
-    ),
-    pytest.param(
-        lambda d: config(train__global_batch=1),
-        r"train\.global_batch: 1 is smaller than the 2 workers",
-        id="batch-smaller-than-workers",
-    ),
-    pytest.param(
-        lambda d: config(workload__name="nosuch"),
-        r"workload\.name: unknown workload 'nosuch'",
-        id="unknown-workload",
-    ),
-    pytest.param(
-        lambda d: config(workload__name="hetero_ray.workloads.gpt:no_such_factory"),
-        r"workload\.name: cannot load 'hetero_ray\.workloads\.gpt:no_such_factory'",
-        id="missing-function",
-    ),
-    pytest.param(
-        lambda d: config(workload__name="no_such_module_xyz:build"),
-        r"workload\.name: cannot load 'no_such_module_xyz:build'",
-        id="missing-module",
-    ),
-    pytest.param(
-        lambda d: config(workload__options={**TINY_GPT, "n_layers": 2}),
-        r"workload\.options: .*n_layers",
-        id="unknown-workload-option",
-    ),
-    pytest.param(
-        lambda d: config(workload__options={**TINY_GPT, "n_head": 3}),
-        r"n_head",
-        id="n_embd-not-multiple-of-n_head",
-    ),
+    # Run config YAML through `hetero-ray train`.
+    Case("malformed-yaml", TRAIN, "`devices: {A100-80GB: 1` (unclosed)", cli(train(lambda d: "devices: {A100-80GB: 1\n")),
+         rf"{CFG}: line 2, column 1: malformed YAML"),
+    Case("empty-file", TRAIN, "an empty config file", cli(train(lambda d: "")), rf"{CFG}: expected a mapping"),
+    Case("missing-file", TRAIN, "`--config` naming no file", cli(train(lambda d: None)), rf"{CFG}: cannot read config"),
+    Case("unknown-top-level-key", TRAIN, "`bogus: 1`", cli(train(lambda d: config(d, bogus=1))),
+         rf"{CFG}: bogus: unknown key"),
+    Case("unknown-train-key", TRAIN, "`train: {bogus: 1}`", cli(train(lambda d: config(d, train__bogus=1))),
+         rf"{CFG}: train\.bogus: unknown key"),
+    Case("unknown-gpu", TRAIN, "`devices: {Z100: 1}`", cli(train(lambda d: config(d, devices={"Z100": 1}))),
+         r"devices: unknown GPU type 'Z100'"),
+    Case("zero-global-batch", TRAIN, "`train: {global_batch: 0}`",
+         cli(train(lambda d: config(d, train__global_batch=0))), rf"{CFG}: train\.global_batch: .*greater than 0"),
+    Case("negative-global-batch", TRAIN, "`train: {global_batch: -3}`",
+         cli(train(lambda d: config(d, train__global_batch=-3))), rf"{CFG}: train\.global_batch: .*greater than 0"),
+    Case("string-global-batch", TRAIN, "`train: {global_batch: many}`",
+         cli(train(lambda d: config(d, train__global_batch="many"))), rf"{CFG}: train\.global_batch: .*valid integer"),
+    Case("zero-workers", TRAIN, "`devices: {A100-80GB: 0, V100-16GB: 1}`",
+         cli(train(lambda d: config(d, devices={"A100-80GB": 0, "V100-16GB": 1}))), rf"{CFG}: devices: .*>= 1"),
+    Case("no-devices", TRAIN, "`devices: {}`", cli(train(lambda d: config(d, devices={}))),
+         rf"{CFG}: devices: needs at least one GPU type"),
+    Case("unknown-split", TRAIN, "`train: {split: fastest}`", cli(train(lambda d: config(d, train__split="fastest"))),
+         rf"{CFG}: train\.split"),
+    Case("split-weight-zero", TRAIN, "`train: {split: {A100-80GB: 0}}`",
+         cli(train(lambda d: config(d, train__split={"A100-80GB": 0}))), r"weights per GPU type must be > 0"),
+    Case("negative-dilation", TRAIN, "`emulation: {dilation: -1}`",
+         cli(train(lambda d: config(d, emulation={"dilation": -1}))), rf"{CFG}: emulation\.dilation: .*'auto'"),
+    Case("unknown-workload", TRAIN, "`workload: {name: nosuch}`", cli(train(lambda d: config(d, workload__name="nosuch"))),
+         r"workload\.name: unknown workload 'nosuch'"),
+    Case("missing-function", TRAIN, "`workload: {name: hetero_ray.workloads.gpt:no_such_factory}`",
+         cli(train(lambda d: config(d, workload__name="hetero_ray.workloads.gpt:no_such_factory"))),
+         r"workload\.name: cannot load 'hetero_ray\.workloads\.gpt:no_such_factory'"),
+    Case("missing-module", TRAIN, "`workload: {name: no_such_module_xyz:build}`",
+         cli(train(lambda d: config(d, workload__name="no_such_module_xyz:build"))),
+         r"workload\.name: cannot load 'no_such_module_xyz:build'"),
+    Case("unknown-workload-option", TRAIN, "GPT option `n_layers: 2` (it is `n_layer`)",
+         cli(train(lambda d: config(d, workload__options={**TINY_GPT, "n_layers": 2}))), r"workload\.options: .*n_layers"),
+    Case("n_embd-not-multiple-of-n_head", TRAIN, "GPT `n_embd: 16, n_head: 3`",
+         cli(train(lambda d: config(d, workload__options={**TINY_GPT, "n_head": 3}))), r"n_head"),
     # 200 bytes of corpus in 16-byte windows: (200 - 1) // 16 = 12 samples, fewer than the global batch of 64.
-    pytest.param(
-        lambda d: config(workload__options={**TINY_GPT, "corpus_bytes": 200}, train__global_batch=64),
-        r"global.batch",
-        id="dataset-smaller-than-global-batch",
-    ),
-    pytest.param(bad_gpus_file, r"{dir}/gpus\.yaml: entry 'Tiny-GPU': memory_gib", id="bad-gpus-file-entry"),
-    pytest.param(
-        lambda d: config(optimizer={"name": "onebit_adam", "zero_stage": 2}),
-        r"{config}: optimizer: onebit_adam is not compatible with ZeRO \(stage 2\); set optimizer\.zero_stage: 0",
-        id="onebit-with-zero",
-    ),
-    pytest.param(
-        lambda d: config(optimizer={"name": "lamb"}),
-        r"{config}: optimizer\.name: .*'adam', 'onebit_adam' or 'zero_one_adam'",
-        id="unknown-optimizer",
-    ),
-    pytest.param(
-        lambda d: config(link={"bandwidth_gbps": 0}),
-        r"{config}: link\.bandwidth_gbps: .*greater than 0",
-        id="zero-link-bandwidth",
-    ),
-]
+    Case("dataset-smaller-than-global-batch", TRAIN, "a 12-sample corpus, `global_batch: 64`",
+         cli(train(lambda d: config(d, workload__options={**TINY_GPT, "corpus_bytes": 200}, train__global_batch=64))),
+         r"global.batch"),
+    Case("model-fits-no-device", TRAIN, "GPT 48 × 8192 on `devices: {V100-16GB: 2}`",
+         cli(train(lambda d: config(d, devices={"V100-16GB": 2}, workload__options=HUGE_GPT))),
+         r"model needs [\d.]+ GiB per device .*\(\d+ pipeline stages.* V100-16GB has 16 GiB"),
+    Case("bad-gpus-file-entry", TRAIN, "`gpus_file:` with `memory_gib: -1`",
+         cli(train(lambda d: config(d, gpus_file=str(bad_gpus_file(d))))), r"{dir}/gpus\.yaml: entry 'Tiny-GPU': memory_gib"),
+    Case("bad-gpus-env", TRAIN, f"`{GPUS_ENV_VAR}` naming a file with `memory_gib: -1`",
+         cli(train(lambda d: config(d)), **{GPUS_ENV_VAR: lambda d: str(bad_gpus_file(d))}),
+         rf"{{dir}}/gpus\.yaml \(from {GPUS_ENV_VAR}\): entry 'Tiny-GPU': memory_gib"),
+    Case("onebit-with-zero", TRAIN, "`optimizer: {name: onebit_adam, zero_stage: 2}`",
+         cli(train(lambda d: config(d, optimizer={"name": "onebit_adam", "zero_stage": 2}))),
+         rf"{CFG}: optimizer: onebit_adam is not compatible with ZeRO \(stage 2\); set optimizer\.zero_stage: 0"),
+    Case("unknown-optimizer", TRAIN, "`optimizer: {name: lamb}`", cli(train(lambda d: config(d, optimizer={"name": "lamb"}))),
+         rf"{CFG}: optimizer\.name: .*'adam', 'onebit_adam' or 'zero_one_adam'"),
+    Case("zero-link-bandwidth", TRAIN, "`link: {bandwidth_gbps: 0}`",
+         cli(train(lambda d: config(d, link={"bandwidth_gbps": 0}))), rf"{CFG}: link\.bandwidth_gbps: .*greater than 0"),
+    # Command lines (argparse prints its usage lines, then the one error line).
+    Case("train-without-config", TRAIN, "no `--config`", cli(lambda d: ["train"]),
+         r"the following arguments are required: --config"),
+    Case("unknown-subcommand", "hetero-ray", "`hetero-ray bogus`", cli(lambda d: ["bogus"]),
+         r"invalid choice: 'bogus'"),
+    Case("demo-duration-not-a-number", "hetero-ray demo", "`--duration x`", cli(lambda d: ["demo", "--duration", "x"]),
+         r"argument --duration: invalid float value: 'x'"),
+    Case("demo-negative-duration", "hetero-ray demo", "`--duration -5`",
+         cli(lambda d: ["demo", "--duration", "-5", "--output", str(d / "result.json")]),
+         r"train\.duration_s: .*greater than 0"),
+    Case("demo-without-emulation", "hetero-ray demo", "a config without `emulation:`",
+         cli(lambda d: ["demo", *train(lambda d: config(d, emulation=None))(d)[1:]]),
+         r"the demo needs an 'emulation' section"),
+    Case("discover-bad-gpus-file", "hetero-ray discover", "`--gpus` file with `memory_gib: -1`",
+         cli(lambda d: ["discover", "--gpus", str(bad_gpus_file(d))]), r"{dir}/gpus\.yaml: entry 'Tiny-GPU': memory_gib"),
+    Case("discover-missing-gpus-file", "hetero-ray discover", "`--gpus` naming no file",
+         cli(lambda d: ["discover", "--gpus", str(d / "none.yaml")]), r"{dir}/none\.yaml"),
+    # hetero-ray train --plan (a Plan JSON checked against the config).
+    Case("train-plan-malformed", TRAIN, "`--plan` file `{` (cut short)", cli(train_plan(lambda: "{")),
+         r"{dir}/plan\.json: line 1, column 2: malformed JSON"),
+    Case("train-plan-other-devices", TRAIN, "`--plan` for 1 × A100-80GB + 2 × V100-16GB, config 1 + 1",
+         cli(train_plan(plan_dict)), r"{dir}/plan\.json: the plan is for devices .*, the config has"),
+    Case("train-plan-other-batch", TRAIN, "`--plan` with `global_batch: 8`, config `global_batch: 4`",
+         cli(train_plan(lambda: two_device_plan() | {"global_batch": 8})), r"{dir}/plan\.json: .*global_batch"),
+    # hetero-ray plan / simulate / profile.
+    Case("plan-cmd-missing-cluster", "hetero-ray plan", "`--cluster` naming no file",
+         cli(lambda d: ["plan", "--cluster", str(d / "none.yaml"), "--output", str(d / "out.json")]),
+         r"{dir}/none\.yaml: cannot read cluster file"),
+    Case("plan-cmd-malformed-cluster", "hetero-ray plan", "`--cluster` file `available_node_types: {a: 1` (unclosed)",
+         cli(plan_cmd(lambda d: "available_node_types: {a: 1\n")), r"{dir}/cluster\.yaml: not valid YAML"),
+    Case("plan-cmd-unknown-gpu-label", "hetero-ray plan", "cluster.yaml labelling a node type `Z100`",
+         cli(plan_cmd(lambda d: CLUSTER_TEXT.replace("gpu-type: A100-80GB", "gpu-type: Z100"))),
+         r"unknown GPU type 'Z100'; known: .*; declare it in a gpus file"),
+    Case("plan-cmd-gpu-count-not-a-number", "hetero-ray plan", "cluster.yaml with `resources: {GPU: eight}`",
+         cli(plan_cmd(lambda d: CLUSTER_TEXT.replace("{CPU: 96, GPU: 8}", "{CPU: 96, GPU: eight}"))),
+         r"GPU", known_bug="hetero_ray/plan/topology.py load_cluster: int() of the GPU count escapes as ValueError"),
+    Case("plan-cmd-zero-global-batch", "hetero-ray plan", "`--global-batch 0`",
+         cli(plan_cmd(lambda d: CLUSTER_TEXT, "--global-batch", "0")), r"--global-batch: must be >= 1 \(got 0\)"),
+    Case("plan-cmd-bad-model-options", "hetero-ray plan", "`--model-options {bad`",
+         cli(plan_cmd(lambda d: CLUSTER_TEXT, "--model-options", "{bad")), r"--model-options: not valid JSON"),
+    Case("plan-cmd-unknown-schedule", "hetero-ray plan", "`--schedule interleaved`",
+         cli(plan_cmd(lambda d: CLUSTER_TEXT, "--schedule", "interleaved")), r"unknown schedule 'interleaved'"),
+    Case("plan-cmd-unknown-optimizer", "hetero-ray plan", "`--optimizer lamb`",
+         cli(plan_cmd(lambda d: CLUSTER_TEXT, "--optimizer", "lamb")), r"--optimizer: unknown optimizer 'lamb'"),
+    Case("simulate-bad-count", "hetero-ray simulate", "`--devices V100-16GB=abc`",
+         cli(simulate("--devices", "V100-16GB=abc")), r"--devices: 'V100-16GB=abc' is not TYPE=COUNT"),
+    Case("simulate-unknown-gpu", "hetero-ray simulate", "`--devices Z100=4`", cli(simulate("--devices", "Z100=4")),
+         r"unknown GPU type 'Z100'"),
+    Case("simulate-mix-without-budget", "hetero-ray simulate", "`--mix A100-80GB,V100-16GB` without `--budget-gpus`",
+         cli(simulate("--mix", "A100-80GB,V100-16GB")), r"--budget-gpus: --mix needs a GPU budget >= 1"),
+    Case("simulate-nothing", "hetero-ray simulate", "neither `--devices` nor `--mix`", cli(simulate()),
+         r"give either --devices"),
+    Case("profile-zero-micro-batch", "hetero-ray profile", "`--micro-batches 0`",
+         cli(profile("--micro-batches", "0")), r"micro_batches: need positive integers \(got \[0\]\)"),
+    Case("profile-unknown-precision", "hetero-ray profile", "`--precisions fp8`", cli(profile("--precisions", "fp8")),
+         r"precisions: fp8 not known; valid: fp32, tf32, fp16, bf16"),
+    Case("profile-bad-options", "hetero-ray profile", "`--options {bad`", cli(profile("--options", "{bad")),
+         r"Expecting property name"),
+    # Real processes.
+    Case("job-unknown-key", "python jobs/train.py", "`train: {bogus: 1}`",
+         process(lambda d: [sys.executable, "jobs/train.py", *train(lambda d: config(d, train__bogus=1))(d)[1:]]),
+         rf"{CFG}: train\.bogus: unknown key"),
+    Case("job-missing-config", "python jobs/train.py", "`--config` naming no file",
+         process(lambda d: [sys.executable, "jobs/train.py", *train(lambda d: None)(d)[1:]]), rf"{CFG}: cannot read config"),
+    Case("module-unknown-gpu", "python -m hetero_ray.cli train", "`devices: {Z100: 1}`",
+         process(lambda d: [sys.executable, "-m", "hetero_ray.cli", *train(lambda d: config(d, devices={"Z100": 1}))(d)]),
+         r"devices: unknown GPU type 'Z100'"),
+    # Plan JSON.
+    Case("plan-missing-file", PLAN, "a path with no file", plan_file(lambda: None), rf"{PLN}: cannot read plan"),
+    Case("plan-malformed-json", PLAN, "`{\"global_batch\": 8,` (cut short)", plan_file(lambda: '{"global_batch": 8,'),
+         rf"{PLN}: line 1, column 20: malformed JSON"),
+    Case("plan-not-an-object", PLAN, "`[1, 2]`", plan_file(lambda: [1, 2]), rf"{PLN}: expected a JSON object"),
+    Case("plan-unknown-field", PLAN, "`\"speed\": 3` at the top", plan_file(lambda: plan_dict() | {"speed": 3}),
+         rf"{PLN}: speed: unknown field"),
+    Case("plan-missing-field", PLAN, "no `global_batch`", plan_file(lambda: edit(plan_dict(), "global_batch", ...)),
+         rf"{PLN}: global_batch: Field required"),
+    Case("plan-string-batch", PLAN, "`roles[0].local_batch: \"4\"`",
+         plan_file(lambda: edit(plan_dict(), "roles.0.local_batch", "4")),
+         rf"{PLN}: roles\.0\.local_batch: Input should be a valid integer \(got '4'\)"),
+    Case("plan-zero-micro-batch", PLAN, "`roles[1].micro_batch: 0`",
+         plan_file(lambda: edit(plan_dict(), "roles.1.micro_batch", 0)), rf"{PLN}: roles\.1\.micro_batch: .*greater than 0"),
+    Case("plan-micro-exceeds-local", PLAN, "`roles[1].micro_batch: 5` with `local_batch: 2`",
+         plan_file(lambda: edit(plan_dict(), "roles.1.micro_batch", 5)),
+         rf"{PLN}: roles\.1: micro_batch 5 exceeds local_batch 2"),
+    Case("plan-unknown-precision", PLAN, "`roles[0].precision: fp8`",
+         plan_file(lambda: edit(plan_dict(), "roles.0.precision", "fp8")),
+         rf"{PLN}: roles\.0\.precision: Input should be 'fp32', 'bf16' or 'fp16' \(got 'fp8'\)"),
+    Case("plan-no-roles", PLAN, "`roles: []`", plan_file(lambda: edit(plan_dict(), "roles", [])),
+         rf"{PLN}: roles: .*at least 1 item"),
+    Case("plan-batches-do-not-sum", PLAN, "`roles[2].local_batch: 3` (sum 9 ≠ 8)",
+         plan_file(lambda: edit(edit(plan_dict(), "roles.2.local_batch", 3), "roles.2.micro_batch", 3)),
+         rf"{PLN}: roles\.\*\.local_batch: pipelines' local batches \[4, 2, 3\] sum to 9, not global_batch 8"),
+    Case("plan-offsets-overlap", PLAN, "`roles[2].sample_offset: 5`",
+         plan_file(lambda: edit(plan_dict(), "roles.2.sample_offset", 5)),
+         rf"{PLN}: roles\.2\.sample_offset: 5; .*starts at 6"),
+    Case("plan-unknown-gpu-type", PLAN, "`roles[0].gpu_type: Z100` (checked against the catalog)",
+         plan_file(lambda: edit(plan_dict(), "roles.0.gpu_type", "Z100"), catalog=load_catalog),
+         rf"{PLN}: roles\.0\.gpu_type: unknown GPU type 'Z100'; known: .*A100-80GB"),
+    Case("plan-old-schema", PLAN, "`schema: 1`", plan_file(lambda: edit(plan_dict(), "schema", 1)),
+         rf"{PLN}: schema: Input should be 2 \(got 1\)"),
+    Case("plan-unknown-schedule", PLAN, "`schedule: interleaved`",
+         plan_file(lambda: pipeline_plan_dict() | {"schedule": "interleaved"}),
+         rf"{PLN}: schedule: unknown schedule 'interleaved'; use one of 1f1b, gpipe$"),
+    Case("plan-bad-layer-range", PLAN, "`roles[1].layers: [3, 3]`",
+         plan_file(lambda: edit(pipeline_plan_dict(), "roles.1.layers", [3, 3])),
+         rf"{PLN}: roles\.1: layers \[3, 3\] must be \[first, last\) with 0 <= first < last"),
+    Case("plan-layer-gap", PLAN, "`roles[1].layers: [4, 5]` after a stage ending at 3",
+         plan_file(lambda: edit(pipeline_plan_dict(), "roles.1.layers", [4, 5])),
+         rf"{PLN}: roles\.1\.layers: starts at layer 4; stage 1 of pipeline 0 must start at 3"),
+    Case("plan-pipelines-differ-in-layers", PLAN, "pipeline 1 ends at layer 5, pipeline 0 at 4",
+         plan_file(lambda: edit(pipeline_plan_dict(), "roles.3.layers", [3, 5])),
+         rf"{PLN}: roles\.\*\.layers: pipelines end at layers \[4, 5\]; every pipeline must hold all the layers"),
+    Case("plan-duplicate-stage", PLAN, "two stage-0 workers in pipeline 0",
+         plan_file(lambda: edit(pipeline_plan_dict(), "roles.1.stage", 0)),
+         rf"{PLN}: roles\.\*\.stage: pipeline 0 has stages \[0, 0\]; each of 0 to 1 exactly once"),
+    Case("plan-stage-batch-differs", PLAN, "`roles[1].micro_batch: 1` in a pipeline of micro-batch 2",
+         plan_file(lambda: edit(pipeline_plan_dict(), "roles.1.micro_batch", 1)),
+         rf"{PLN}: roles\.1\.micro_batch: 1, but stage 0 of pipeline 0 \(roles\.0\) has 2"),
+    Case("plan-missing-layers", PLAN, "`roles[1].layers: null` in a 2-stage pipeline",
+         plan_file(lambda: edit(pipeline_plan_dict(), "roles.1.layers", None)),
+         rf"{PLN}: roles\.1\.layers: missing; every stage of a 2-stage pipeline needs a layer range"),
+    Case("plan-layers-short-of-workload", PLAN, "layers end at 4, workload has 6 (`n_layers=6`)",
+         plan_file(pipeline_plan_dict, n_layers=lambda: 6), rf"{PLN}: roles\.1\.layers: pipeline 0 ends at layer 4; the workload has 6"),
+    # cluster.yaml.
+    Case("cluster-unknown-key", CLUSTER, "`link_gbs: 600` on a node type", cluster_yaml(set_node_type("link_gbs", 600)),
+         r"available_node_types\.a100-80gb-x8: Additional properties are not allowed \('link_gbs' was unexpected\)"),
+    Case("cluster-max-workers-string", CLUSTER, "`max_workers: two` on a node type",
+         cluster_yaml(set_node_type("max_workers", "two")), r"available_node_types\.a100-80gb-x8\.max_workers: 'two' is not of type 'integer'"),
+    Case("cluster-labels-not-a-mapping", CLUSTER, "`labels: A100-80GB` (a string)",
+         cluster_yaml(set_node_type("labels", "A100-80GB")), r"available_node_types\.a100-80gb-x8\.labels: 'A100-80GB' is not of type 'object'"),
+    Case("cluster-negative-max-workers", CLUSTER, "`max_workers: -1`", cluster_yaml(lambda data: data.update(max_workers=-1)),
+         r"cluster\.yaml: max_workers: -1 is less than the minimum of 0"),
+    Case("cluster-head-type-missing", CLUSTER, "`head_node_type: gpu-head` (no such node type)",
+         cluster_yaml(lambda data: data.update(head_node_type="gpu-head")),
+         r"`head_node_type` must be one of `available_node_types`"),
+]  # fmt: skip
 
 
-def run_cli(command: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}
-    env.pop(GPUS_ENV_VAR, None)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+# --- the contract -----------------------------------------------------------------------
+
+_OUTCOMES: dict[str, tuple[Outcome, Path]] = {}
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, pattern: str, output: Path) -> str:
-    """The contract for bad input; returns the message after the prefix."""
-    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].strip(), proc.stderr
-    assert lines[0].startswith("hetero-ray: error: "), lines[0]
-    assert re.search(pattern, lines[0]), lines[0]
-    assert not output.exists()
-    return lines[0].removeprefix("hetero-ray: error: ")
+def outcome(case: Case, tmp_path_factory: pytest.TempPathFactory) -> tuple[Outcome, Path]:
+    """Run ``case`` once per session in a fresh directory; check nothing was written there."""
+    if case.id not in _OUTCOMES:
+        d = tmp_path_factory.mktemp(case.id)
+        result = case.run(d)
+        # Inputs the case wrote are allowed; anything else (a result file, a run directory) is not.
+        inputs = {"run.yaml", "plan.json", "gpus.yaml", "cluster.yaml"}
+        assert {p.name for p in d.iterdir()} <= inputs, sorted(p.name for p in d.iterdir())
+        _OUTCOMES[case.id] = (result, d)
+    return _OUTCOMES[case.id]
 
 
-@pytest.mark.parametrize(("make", "pattern"), CASES)
-def test_bad_config_gets_one_line_error(tmp_path: Path, make: Callable[[Path], str | None], pattern: str) -> None:
-    path, output = tmp_path / "run.yaml", tmp_path / "result.json"
-    text = make(tmp_path)
-    if text is not None:
-        path.write_text(text)
-    proc = run_cli([sys.executable, "-m", "hetero_ray.cli", "train", "--config", str(path), "--output", str(output)])
-    assert_one_line_error(proc, pattern.format(config=re.escape(str(path)), dir=re.escape(str(tmp_path))), output)
+def error_line(case: Case, result: Outcome) -> str:
+    """The one error line; argparse cases may print their usage lines before it."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    argparse_usage = [line for line in lines if line.startswith("usage:") or line.startswith(" ")]
+    errors = [line for line in lines if line not in argparse_usage]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
 
 
-def test_gpt_too_big_for_any_device_names_the_need_and_the_largest_device(tmp_path: Path) -> None:
-    path, output = tmp_path / "run.yaml", tmp_path / "result.json"
-    path.write_text(config(devices={"V100-16GB": 2}, workload__options=HUGE_GPT))
-    proc = run_cli([sys.executable, "-m", "hetero_ray.cli", "train", "--config", str(path), "--output", str(output)])
-    message = assert_one_line_error(proc, r"needs [\d.]+ GiB .*largest device \(V100-16GB\) has 16 GiB", output)
-    # 38,680,805,376 parameters × 16 bytes of static state alone are 576.4 GiB; activations come on top.
-    assert float(re.search(r"needs ([\d.]+) GiB", message)[1]) > 576.4
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.xfail(reason=c.known_bug, strict=True)) if c.known_bug else c for c in CASES],
+    ids=[c.id for c in CASES],
+)
+def test_bad_input_gets_one_line(case: Case, tmp_path_factory: pytest.TempPathFactory) -> None:
+    result, d = outcome(case, tmp_path_factory)
+    assert not result.traceback, result.stderr
+    line = error_line(case, result)
+    assert re.search(case.pattern.format(dir=re.escape(str(d))), line), line
+    if result.exit_code != NO_EXIT:
+        assert result.exit_code == 2, result.stderr
+        assert re.match(r"hetero-ray( \w+)?: error: ", line), line
 
 
-def test_job_entry_point_reports_bad_input_the_same_way(tmp_path: Path) -> None:
-    path, output = tmp_path / "run.yaml", tmp_path / "result.json"
-    path.write_text(config(train__bogus=1))
-    proc = run_cli([sys.executable, "jobs/train.py", "--config", str(path), "--output", str(output)])
-    assert_one_line_error(proc, rf"{re.escape(str(path))}: train\.bogus: unknown key", output)
+def test_model_too_big_names_the_need(tmp_path_factory: pytest.TempPathFactory) -> None:
+    result, _ = outcome(next(c for c in CASES if c.id == "model-fits-no-device"), tmp_path_factory)
+    need, stages = re.search(r"needs ([\d.]+) GiB .*\((\d+) pipeline stages", result.stderr).groups()
+    # 38,680,805,376 parameters × 16 bytes of static state are 576.4 GiB, shared by the stages; activations on top.
+    assert float(need) > 576.4 / int(stages)
 
 
-def test_base_config_is_valid(tmp_path: Path) -> None:
-    """Control: each case above fails because of its own change, not the base."""
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(BASE))
-    prepared = prepare(load_config(path))
+def test_good_inputs_pass_the_same_entry_points(tmp_path: Path) -> None:
+    """Control: each case fails because of its own change, not the base it changes."""
+    (tmp_path / "run.yaml").write_text(config(tmp_path))
+    prepared = prepare(load_config(tmp_path / "run.yaml"))
     assert [r.gpu_type for r in prepared.plan.roles] == ["A100-80GB", "V100-16GB"]
+    for make in (plan_dict, pipeline_plan_dict):
+        (tmp_path / "plan.json").write_text(json.dumps(make()))
+        plan = load_plan(
+            tmp_path / "plan.json", catalog=load_catalog(), n_layers=4 if make is pipeline_plan_dict else None
+        )
+        assert plan.global_batch == 8
+    assert load_plan(tmp_path / "plan.json").is_pipelined
+    cluster_yaml(lambda data: None)(tmp_path)  # the unchanged cluster.yaml validates (no error line)
+    assert cluster_yaml(lambda data: None)(tmp_path).stderr == ""
+
+
+def render_doc(tmp_path_factory: pytest.TempPathFactory) -> str:
+    rows = []
+    for case in CASES:
+        result, d = outcome(case, tmp_path_factory)
+        if case.known_bug:
+            # A traceback: show its last line, and where the fix belongs.
+            line = result.stderr.strip().splitlines()[-1] + f" — **known bug**: {case.known_bug}"
+        else:
+            line = error_line(case, result)
+        line = line.replace(str(d), "<dir>").replace(str(REPO), ".").replace("|", "¦")
+        rows.append(f"| {case.entry} | {case.shown} | `` {line} `` | {result.exit_code} |")
+    head = [
+        "# Bad inputs and the line each produces",
+        "",
+        "Generated by `tests/test_bad_input.py` (it fails when this file differs from what the cases produce;",
+        "`HETERO_RAY_UPDATE_DOCS=1 python -m pytest tests/test_bad_input.py` rewrites it). Every case runs",
+        "through its real entry point; each produces exactly one error line and writes nothing (no result",
+        "file, no run directory). A CLI exits with code 2; a library call (`load_plan`, Ray's cluster.yaml",
+        f"validator) raises, shown as {NO_EXIT}. `<dir>` is the case's temporary directory. argparse prints",
+        "its usage lines before the error line for command-line mistakes.",
+        "",
+        f"{len(CASES)} cases.",
+        "",
+        "| entry point | bad input | error line | exit code |",
+        "|---|---|---|---|",
+    ]
+    return "\n".join([*head, *rows]) + "\n"
+
+
+def test_bad_inputs_doc_is_current(tmp_path_factory: pytest.TempPathFactory) -> None:
+    text = render_doc(tmp_path_factory)
+    if os.environ.get("HETERO_RAY_UPDATE_DOCS") == "1":
+        DOC.write_text(text)
+    assert DOC.exists() and DOC.read_text() == text, (
+        "docs/bad-inputs.md is stale: HETERO_RAY_UPDATE_DOCS=1 python -m pytest tests/test_bad_input.py"
+    )
+    assert len(CASES) >= 30

@@ -1,0 +1,190 @@
+"""Plan JSON files, validated at the edge: a bad file gets one ``PlanError`` line, never a half-built Plan.
+
+``load_plan`` checks each field's type and range (pydantic, strict: ``"4"`` is not
+a batch size), then the invariants of ``hetero_ray/plan/plan.py``: pipelines
+numbered 0…P−1 with stages 0…S−1, every stage of a pipeline sharing its batch
+and micro-batch, stages' layer ranges covering the same layers end to end, and
+the pipelines' sample ranges tiling the global batch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hetero_ray.cluster.catalog import Catalog
+from hetero_ray.plan.memory import SCHEDULES
+from hetero_ray.plan.plan import Plan, PlanError
+
+SCHEMA = 2
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class _Role(_Strict):
+    gpu_type: str = Field(min_length=1)
+    local_batch: int = Field(gt=0)
+    micro_batch: int = Field(gt=0)
+    sample_offset: int = Field(ge=0)
+    precision: Literal["fp32", "bf16", "fp16"]
+    predicted_compute_s: float = Field(ge=0)
+    predicted_memory_bytes: float = Field(ge=0)
+    memory_cap_bytes: int = Field(gt=0)
+    pipeline: int = Field(0, ge=0)
+    stage: int = Field(0, ge=0)
+    layers: tuple[int, int] | None = None
+    activation_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _ranges(self) -> _Role:
+        if self.micro_batch > self.local_batch:
+            raise ValueError(f"micro_batch {self.micro_batch} exceeds local_batch {self.local_batch}")
+        if self.layers is not None and not 0 <= self.layers[0] < self.layers[1]:
+            raise ValueError(f"layers {list(self.layers)} must be [first, last) with 0 <= first < last")
+        return self
+
+
+class _Exclusion(_Strict):
+    gpu_type: str = Field(min_length=1)
+    count: int = Field(gt=0)
+    reason: str
+
+
+class _Plan(_Strict):
+    global_batch: int = Field(gt=0)
+    # Descriptive only (the runtime reads the roles); planners name their splits freely.
+    split: str = Field(min_length=1)
+    emulated: bool
+    roles: tuple[_Role, ...] = Field(min_length=1)
+    predicted_compute_s: float = Field(ge=0)
+    excluded: tuple[_Exclusion, ...] = ()
+    predicted_comm_s: float = Field(0.0, ge=0)
+    predicted_comm_fp32_s: float = Field(0.0, ge=0)
+    schedule: str = "gpipe"
+    explanation: str = ""
+    schema_: Literal[2] = Field(SCHEMA, alias="schema")
+
+    @field_validator("schedule")
+    @classmethod
+    def _known_schedule(cls, v: str) -> str:
+        if v not in SCHEDULES:
+            raise ValueError(f"unknown schedule {v!r}; use one of {', '.join(SCHEDULES)}")
+        return v
+
+
+def _one_line(exc: ValidationError, source: str) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field"
+    elif err["type"] not in ("missing", "value_error") and not isinstance(err.get("input"), dict | list):
+        # pydantic's own messages omit the value; ours (value_error) already name it.
+        msg += f" (got {err['input']!r})"
+    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{source}: {where}: {msg}{more}"
+
+
+def _check_pipelines(plan: _Plan, n_layers: int | None) -> str | None:
+    """The first broken invariant as ``field: what is wrong, what would be valid``; ``None`` if sound."""
+    pipelines: dict[int, list[tuple[int, _Role]]] = {}
+    if all(r.layers is None for r in plan.roles):
+        # Pure data parallelism: every worker is a one-stage pipeline of its own (the
+        # data-parallel planner leaves pipeline and stage at 0).
+        staged = [i for i, r in enumerate(plan.roles) if r.stage != 0]
+        if staged:
+            return f"roles.{staged[0]}.stage: {plan.roles[staged[0]].stage} without layer ranges; stages need layers"
+        pipelines = {i: [(i, r)] for i, r in enumerate(plan.roles)}
+    else:
+        for i, role in enumerate(plan.roles):
+            pipelines.setdefault(role.pipeline, []).append((i, role))
+    if sorted(pipelines) != list(range(len(pipelines))):
+        return f"roles.*.pipeline: pipelines are {sorted(pipelines)}; number them 0 to {len(pipelines) - 1}"
+    ends: set[int] = set()
+    for p, members in sorted(pipelines.items()):
+        stages = sorted(r.stage for _, r in members)
+        if stages != list(range(len(members))):
+            return f"roles.*.stage: pipeline {p} has stages {stages}; each of 0 to {len(members) - 1} exactly once"
+        first_i, head = min(members, key=lambda m: m[1].stage)
+        for i, role in members:
+            for name in ("local_batch", "micro_batch", "sample_offset"):
+                if getattr(role, name) != getattr(head, name):
+                    return (
+                        f"roles.{i}.{name}: {getattr(role, name)}, but stage 0 of pipeline {p} (roles.{first_i}) "
+                        f"has {getattr(head, name)}; all stages of a pipeline share it"
+                    )
+        ranged = [(i, r) for i, r in sorted(members, key=lambda m: m[1].stage) if r.layers is not None]
+        if len(members) > 1 and len(ranged) < len(members):
+            i = next(i for i, r in members if r.layers is None)
+            return f"roles.{i}.layers: missing; every stage of a {len(members)}-stage pipeline needs a layer range"
+        expected = 0
+        for i, role in ranged:
+            if role.layers[0] != expected:
+                return (
+                    f"roles.{i}.layers: starts at layer {role.layers[0]}; stage {role.stage} of pipeline {p} "
+                    f"must start at {expected}, where the previous stage ends"
+                )
+            expected = role.layers[1]
+        if ranged:
+            ends.add(expected)
+            if n_layers is not None and expected != n_layers:
+                return (
+                    f"roles.{ranged[-1][0]}.layers: pipeline {p} ends at layer {expected}; the workload has {n_layers}"
+                )
+    if len(ends) > 1:
+        return f"roles.*.layers: pipelines end at layers {sorted(ends)}; every pipeline must hold all the layers"
+    heads = sorted((min(m, key=lambda x: x[1].stage) for m in pipelines.values()), key=lambda m: m[1].sample_offset)
+    offset = 0
+    for i, role in heads:
+        if role.sample_offset != offset:
+            return (
+                f"roles.{i}.sample_offset: {role.sample_offset}; pipelines must cover the global batch in turn, "
+                f"so the next one starts at {offset}"
+            )
+        offset += role.local_batch
+    if offset != plan.global_batch:
+        batches = [r.local_batch for _, r in heads]
+        return f"roles.*.local_batch: pipelines' local batches {batches} sum to {offset}, not global_batch {plan.global_batch}"
+    return None
+
+
+def parse_plan(data: Any, source: str = "plan", *, catalog: Catalog | None = None, n_layers: int | None = None) -> Plan:
+    """Validate a decoded Plan JSON value; ``PlanError`` with one line naming the field on failure.
+
+    ``catalog``: also require every GPU type to be in it. ``n_layers``: also require
+    layer ranges to end at the workload's layer count.
+    """
+    if not isinstance(data, dict):
+        raise PlanError(f"{source}: expected a JSON object with global_batch, roles, …; got {type(data).__name__}")
+    try:
+        model = _Plan.model_validate_json(json.dumps(data))
+    except ValidationError as exc:
+        raise PlanError(_one_line(exc, source)) from None
+    problem = _check_pipelines(model, n_layers)
+    if problem:
+        raise PlanError(f"{source}: {problem}")
+    if catalog is not None:
+        for i, role in enumerate(model.roles):
+            if role.gpu_type not in catalog:
+                known = ", ".join(catalog.names())
+                raise PlanError(f"{source}: roles.{i}.gpu_type: unknown GPU type {role.gpu_type!r}; known: {known}")
+    return Plan.from_dict(model.model_dump(by_alias=True))
+
+
+def load_plan(path: str | Path, *, catalog: Catalog | None = None, n_layers: int | None = None) -> Plan:
+    """Read and validate a Plan JSON file (as written by ``Plan.to_json``)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PlanError(f"{path}: cannot read plan: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{path}: line {exc.lineno}, column {exc.colno}: malformed JSON: {exc.msg}") from None
+    return parse_plan(data, str(path), catalog=catalog, n_layers=n_layers)
