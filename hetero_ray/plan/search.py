@@ -12,8 +12,10 @@ same one): devices of one type are interchangeable, so a plan is a *shape* —
  - for every type, the devices left over form ⌊n / S_t⌋ replicas of an S_t-stage
    pipeline of that type alone, S_t ∈ {0 (type unused), 1 (data parallel), 2, 4, 8, …};
  - for each kind: a contiguous split of the L layers, activation checkpointing per
-   stage, and one micro-batch size per kind (the shortest time per sample for a
-   pipeline's even share of the batch, trying sizes upwards while it improves);
+   stage, and one micro-batch size (the search takes the split with the smallest
+   pace, then fill, and the micro-batch with the shortest time per sample for a
+   pipeline's even share of the batch, trying sizes upwards while it improves;
+   the enumerator tries every split, checkpointing and micro-batch);
  - the global batch split over pipelines in micro-batches, minimising the slowest
    pipeline (``allocate``); precision per type from ``choose_precision``
    (half precision is faster and smaller wherever the card has it).
@@ -23,11 +25,15 @@ stage-to-stage messages) + the gradient all-reduce (hierarchical, or 1-bit compr
 Complexity: with T types, L layers and S = max_stages, there are
 O(T·log S) single-type kinds and O(C) mixed kinds (C ≤ (log₂S+1)^T compositions),
 each split once per micro-batch candidate by an O(S·L²) dynamic programme (numpy),
-then O(C · (log₂S+2)^T) shapes, each bounded in O(T) (a relaxed batch split plus
-its exact communication). Shapes are evaluated exactly (O(P log P) for P pipelines)
-in bound order until the bound passes the k-th best (branch and bound, exact over
-the space). Nothing grows with the number of GPUs except that last exact
-allocation of a few shapes.
+then O(C · (log₂S+2)^T) shapes, each bounded in O(T·S) (a relaxed batch split plus
+its exact fp32 communication), computed as one numpy grid per mixed kind. Shapes are
+evaluated exactly (O(P log P) for P pipelines) in bound order until the bound passes
+the k-th best (branch and bound: no shape is missed). Nothing grows with the
+number of GPUs except that last exact allocation of a few shapes; measured here:
+about 0.5 s of CPU for 64 or 4096 GPUs of 4 types and 98 layers (bench/planner.py).
+The micro-batch rule (sizes tried upwards while the time per sample improves) and
+the split's tie-break (pace, then fill) are the two places the search may miss the
+space's optimum; the enumerator measures by how much.
 """
 
 from __future__ import annotations
@@ -572,7 +578,7 @@ def plan(
     start = np.concatenate([[0], np.cumsum([b.lower.size for b in space_blocks])])
     if not np.isfinite(lower).any():
         return Infeasible(infeasible_reason(space))
-    # Branch and bound, exact over the space: shapes in order of their lower bound (the continuous
+    # Branch and bound, no shape missed: shapes in order of their lower bound (the continuous
     # batch split plus the exact communication); the walk stops when the bound passes the k-th best.
     best: list[tuple[float, int, Shape, Allocation]] = []  # max-heap of the top_k by step time
     for i in np.argsort(lower, kind="stable"):
