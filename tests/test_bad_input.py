@@ -383,8 +383,9 @@ CASES = [
          r"{dir}/plan\.json: line 1, column 2: malformed JSON"),
     Case("train-plan-other-devices", TRAIN, "`--plan` for 1 × A100-80GB + 2 × V100-16GB, config 1 + 1",
          cli(train_plan(plan_dict)), r"{dir}/plan\.json: the plan is for devices .*, the config has"),
-    Case("train-plan-other-batch", TRAIN, "`--plan` with `global_batch: 8`, config `global_batch: 4`",
-         cli(train_plan(lambda: two_device_plan() | {"global_batch": 8})), r"{dir}/plan\.json: .*global_batch"),
+    Case("train-plan-batches-do-not-sum", TRAIN, "`--plan` whose roles' batches (sum 4) miss its `global_batch: 8`",
+         cli(train_plan(lambda: two_device_plan() | {"global_batch": 8})),
+         r"{dir}/plan\.json: roles\.\*\.local_batch: pipelines' local batches .* sum to 4, not global_batch 8"),
     # hetero-ray plan / simulate / profile.
     Case("plan-cmd-missing-cluster", "hetero-ray plan", "`--cluster` naming no file",
          cli(lambda d: ["plan", "--cluster", str(d / "none.yaml"), "--output", str(d / "out.json")]),

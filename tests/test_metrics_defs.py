@@ -250,3 +250,8 @@ def test_the_loops_report_has_the_shape_the_recorder_reads() -> None:
     assert records["hetero_ray_bytes_sent"].value == pytest.approx(64.0 * 5)
     assert records["hetero_ray_steps"].value == 5
     assert records["hetero_ray_balance_efficiency"].value == pytest.approx((8 / 0.5) / (8 / 0.4))
+
+
+def test_monitoring_doc_lists_every_metric_and_no_other() -> None:
+    doc = (DASHBOARD.parents[1] / "monitoring.md").read_text()
+    assert set(re.findall(r"\bray_hetero_ray_\w+", doc)) == {prometheus_name(d) for d in DEFINITIONS.values()}
