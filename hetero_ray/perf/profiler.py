@@ -15,6 +15,9 @@ quantity the emulated memory cap enforces).
 On an emulated device the step time is the type's modelled time (catalog peak ×
 efficiency, undilated) and the row says ``emulated=True``; the real step still runs
 once per point, to measure memory and enforce the type's memory as a cap.
+
+Half precisions run under autocast, as training does; fp16 steps run without a loss
+scaler (a few elementwise operations per step).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import default_collate
 
 from hetero_ray.cluster.catalog import PRECISIONS, GpuSpec
-from hetero_ray.cluster.emulated_device import EmulatedDevice
+from hetero_ray.cluster.emulated_device import EmulatedDevice, EmulatedOOM
 from hetero_ray.perf.footprint import saved_activation_bytes
 from hetero_ray.perf.history import CPU, CUDA_MEMORY, HOST_MEMORY, Measurement, options_hash, options_json
 from hetero_ray.plan.cost import activation_scale
@@ -264,8 +267,6 @@ def profile(
                 "clock": "modelled" if emulated else spec.clock,
             }
             rows += [Measurement(**identity, **p) for p in points]
-    if done < total:
-        advance(total - done)
     return ProfileResult(measurements=tuple(rows), skipped=tuple(skipped))
 
 
@@ -286,7 +287,9 @@ def _profile_precision(
 
     for b in spec.micro_batches:
         if b > len(workload.dataset):
-            skipped.append(Skipped(micro_batch=b, precision=precision, reason=f"dataset has {len(workload.dataset)}"))
+            skipped.append(
+                Skipped(micro_batch=b, precision=precision, reason=f"dataset has {len(workload.dataset)} samples")
+            )
             advance(per_point)
             continue
         batch = tree_map(lambda t: t.to(device), default_collate([workload.dataset[i] for i in range(b)]))
@@ -338,7 +341,7 @@ def _peak_bytes(workload, model, optimizer, batch, precision: str, target: Targe
     scale = activation_scale(precision) if emu is not None else 1.0
     used = _host_peak_bytes(workload, model, optimizer, batch, precision, target.device, scale)
     if emu is not None and used > emu.spec.memory_bytes:
-        raise torch.OutOfMemoryError(
+        raise EmulatedOOM(
             f"emulated {emu.spec.name}: {used / 2**30:.2f} GiB needed, {emu.spec.memory_gib:g} GiB available"
         )
     return used
