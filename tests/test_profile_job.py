@@ -1,4 +1,4 @@
-"""`hetero-ray profile` on a real emulated cluster: `ray job submit` of jobs/profile.py, then the CLI again.
+"""`hetero-ray profile` on a real emulated cluster: `ray job submit` of jobs/profile_gpus.py, then the CLI again.
 
 One Ray cluster for the module: a head plus one labelled raylet each for an
 A100-80GB and a V100-16GB (emulated), started with `ray start` and token
@@ -61,7 +61,7 @@ def wait_for(cluster: EmulatedCluster, job_id: str, timeout: float = 300) -> str
 
 @pytest.fixture(scope="module")
 def first_profile(cluster, tmp_path_factory) -> Path:
-    """`ray job submit -- python jobs/profile.py` writes a new history."""
+    """`ray job submit -- python jobs/profile_gpus.py` writes a new history."""
     path = tmp_path_factory.mktemp("profile") / "history.parquet"
     job_id = f"test-profile-{uuid.uuid4().hex[:8]}"
     ray_cli(
@@ -73,7 +73,7 @@ def first_profile(cluster, tmp_path_factory) -> Path:
         job_id,
         "--",
         sys.executable,
-        str(REPO / "jobs" / "profile.py"),
+        str(REPO / "jobs" / "profile_gpus.py"),
         "--history",
         str(path),
         *ARGS,

@@ -1,4 +1,4 @@
-"""`ray job submit -- python jobs/profile.py --history profiles.parquet [--workload gpt --options '{…}'] [--json]`.
+"""`ray job submit -- python jobs/profile_gpus.py --history profiles.parquet [--workload gpt --options '{…}'] [--json]`.
 
 Profiles the workload on one device of every GPU type of the cluster (label
 ``hetero-ray/gpu-type``) and appends the rows to the history file; see
