@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 from hetero_ray.cluster.catalog import load_catalog
-from hetero_ray.perf.footprint import Footprint, LayerCost
+from hetero_ray.perf.footprint import Footprint, LayerCost, measure_footprint
 from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.plan.exhaustive import exhaustive_best_step
 from hetero_ray.plan.instances import random_instance
 from hetero_ray.plan.plan import Infeasible, Plan
 from hetero_ray.plan.search import plan
 from hetero_ray.plan.topology import uniform_topology
+from hetero_ray.workloads import build_workload
 
 GiB = 2**30
 A100, V100 = "A100-80GB", "V100-16GB"
@@ -169,3 +171,17 @@ def test_bad_arguments_are_one_line_errors(catalog, kwargs, match):
     topo = uniform_topology(catalog, [A100], gpus_per_node=1, inter_node_gbps=1)
     with pytest.raises(ValueError, match=match):
         plan([A100], catalog, fp, topology=topo, **kwargs)
+
+
+def test_checkpointed_data_parallel_devices_stay_within_memory():
+    """Regression: a data-parallel device that fits only with checkpointing got a micro-batch sized as if its
+    recomputed layer held one sample; 0.75 MiB devices and the tests' small GPT hit it."""
+    tiny = load_catalog(Path(__file__).parent / "data" / "tiny-memory-gpus.yaml")
+    opts = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "corpus_bytes": 200_000}
+    fp = measure_footprint(lambda: build_workload("gpt", opts))
+    ranks = [A100, A100, V100, V100]
+    topo = uniform_topology(tiny, ranks, gpus_per_node=2, inter_node_gbps=100)
+    plans = plan(ranks, tiny, fp, global_batch=12, topology=topo, precision="fp32", top_k=5)
+    assert any(r.layers is None and r.activation_checkpointing for p in plans for r in p.roles)
+    for p in plans:
+        check_invariants(p, ranks, len(fp.layers))

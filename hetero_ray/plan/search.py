@@ -61,6 +61,7 @@ from hetero_ray.plan.stages import (
     min_shortfall,
     split_kind,
     stage_links,
+    static_matrix,
     type_table,
     workload_layers,
 )
@@ -319,11 +320,18 @@ class Kinds:
 
 
 def dp_micro_cap(table: TypeTable, split: KindSplit, optimizer: str) -> int:
-    """Largest micro-batch a data-parallel device can run with its checkpointing choice."""
-    from hetero_ray.plan.stages import gpipe_max_micro_batches
+    """Largest micro-batch a data-parallel device can run: one forward and backward of m samples at once.
 
-    # A one-stage pipeline holding m samples is GPipe with m micro-batches of one.
-    return max(1, gpipe_max_micro_batches(table, 0, split.bounds[-1], 1, optimizer, split.checkpointing[0]))
+    With checkpointing every layer's input is kept for all m samples, and the layer being
+    recomputed holds its full activations for all m as well.
+    """
+    last = split.bounds[-1]
+    static = float(static_matrix(np.array(table.params[last] - table.params[0]), optimizer, 2))
+    if split.checkpointing[0]:
+        per_sample = (table.inputs[last] - table.inputs[0] + table.max_act[0, last]) * table.scale
+    else:
+        per_sample = (table.act[last] - table.act[0]) * table.scale
+    return max(1, int((table.cap_bytes - static) // per_sample)) if per_sample > 0 else 1 << 30
 
 
 def local_members(space: Space, stage_types: tuple[str, ...], replicas: int) -> tuple[int, ...]:
