@@ -9,12 +9,13 @@ Prints one JSON object:
 - gain_memory_bound, gain_comm_bound: the planner's predicted samples/s ÷ the best pure data-parallel
   plan's (the same search restricted to one stage), where the model does not fit the small cards,
   and where the gradient all-reduce crosses a slow network;
-- predicted_over_measured: predicted ÷ measured step time on the emulated cluster (not measured by
-  this script; ``predicted_over_measured`` below is the hook).
+- predicted_over_measured: predicted ÷ measured step time of three plans (one data-parallel, two
+  pipelines) run on the emulated cluster (``bench/plan_accuracy.py``; skipped with ``--no-measure``,
+  which takes minutes less).
 Search times are measured on this CPU; every step time and gain is modelled (catalog peak × efficiency,
 the topology's links), not measured on GPUs.
 
-Usage: python bench/planner.py [--repeats 3] [--output docs/measurements/planner.json]
+Usage: python bench/planner.py [--repeats 3] [--no-measure] [--output docs/measurements/planner.json]
 """
 
 from __future__ import annotations
@@ -118,15 +119,26 @@ def gain(catalog: Catalog, fp: Footprint, ranks: list[str], *, gpus_per_node: in
     }
 
 
-def predicted_over_measured() -> dict:
-    """Predicted ÷ measured step time on the emulated cluster: measured elsewhere, not by this script."""
-    return {"predicted_over_measured": None, "predicted_over_measured_note": "not measured by this run"}
+def predicted_over_measured(run: bool) -> dict:
+    """Predicted ÷ measured step time of three plans on the emulated cluster (``bench/plan_accuracy.py``)."""
+    if not run:
+        return {"predicted_over_measured": None, "predicted_over_measured_note": "not measured by this run"}
+    from plan_accuracy import measure
+
+    records = measure()
+    return {
+        "predicted_over_measured": [r["predicted_over_measured"] for r in records],
+        "predicted_over_measured_plans": records,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", help="also write the JSON here")
+    parser.add_argument(
+        "--no-measure", action="store_true", help="skip predicted_over_measured (runs on an emulated cluster)"
+    )
     args = parser.parse_args()
     catalog = load_catalog()
     start = time.perf_counter()
@@ -143,12 +155,13 @@ def main() -> None:
         "labels": {
             "search_s_*": "measured: wall seconds of the search on this CPU (fastest of the repeats)",
             "worst_over_optimum, gain_*": "modelled: ratios of the planner's predicted step times",
+            "predicted_over_measured": "emulated: modelled step ÷ step measured on the emulated cluster",
         },
         **search,
         "worst_over_optimum": worst,
         "gain_memory_bound": memory_bound["gain"],
         "gain_comm_bound": comm_bound["gain"],
-        **predicted_over_measured(),
+        **predicted_over_measured(not args.no_measure),
         "instances": {
             "search": {
                 "types": TYPES,
