@@ -87,6 +87,15 @@ class TrainConfig(_Strict):
     duration_s: float | None = Field(
         None, gt=0, description="Stop early after this much wall time (the demo's minute)."
     )
+    max_failures: int = Field(
+        3, ge=-1, description="Restarts from the last checkpoint after a worker or node dies (-1: no limit)."
+    )
+    min_workers: int | None = Field(
+        None,
+        ge=1,
+        description="Elastic: after a loss, go on with as few as this many workers, re-planned for the same "
+        "global batch; they grow back at a later restart. None: all devices or none.",
+    )
 
     @field_validator("split")
     @classmethod
@@ -164,9 +173,22 @@ class RunConfig(_Strict):
             raise ValueError(f"worker counts must be >= 1 (got {bad})")
         return v
 
+    @model_validator(mode="after")
+    def _min_workers_within_devices(self) -> RunConfig:
+        if self.train.min_workers is not None and self.train.min_workers > self.num_workers:
+            raise ValueError(
+                f"train.min_workers: {self.train.min_workers} is more than the {self.num_workers} devices; "
+                f"use 1..{self.num_workers}"
+            )
+        return self
+
     @property
     def num_workers(self) -> int:
         return sum(self.devices.values())
+
+    @property
+    def elastic(self) -> bool:
+        return self.train.min_workers is not None and self.train.min_workers < self.num_workers
 
 
 def _one_line(exc: ValidationError, source: str) -> str:

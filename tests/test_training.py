@@ -11,127 +11,39 @@ import re
 import subprocess
 import sys
 import time
-import uuid
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from cluster_jobs import (
+    REPO,
+    STEPS,
+    final_params,
+    job_status,
+    max_abs_diff,
+    ray_cli,
+    run_config,
+    single_process_reference,
+    submit,
+    wait_for,
+)
 
 from hetero_ray.cluster.emulation import EmulatedCluster
 from hetero_ray.config import parse_config
+from hetero_ray.monitor.metrics import DEFINITIONS, prometheus_name
 from hetero_ray.plan.cost import onebit_allreduce_bytes
 from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.plan.plan import Infeasible, Plan
-from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.prepare import prepare
-from hetero_ray.workloads import build_workload
 
-REPO = Path(__file__).resolve().parents[1]
 TINY_MEMORY = REPO / "tests" / "data" / "tiny-memory-gpus.yaml"
-STEPS = 20
-WORKLOAD = {
-    "name": "gpt",
-    "options": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "corpus_bytes": 200_000},
-}
-
-
-def run_config(storage: Path, name: str) -> dict:
-    """2 fast + 2 slow workers with a 2:1 split, fp32, fixed seed."""
-    return {
-        "devices": {"A100-80GB": 2, "V100-16GB": 2},
-        # Slow enough (about 0.3 s a step) that a run can be stopped between checkpoints.
-        "emulation": {"dilation": 150_000},
-        "workload": WORKLOAD,
-        "train": {
-            "global_batch": 12,
-            "steps": STEPS,
-            "lr": 1e-3,
-            "seed": 7,
-            "precision": "fp32",
-            "split": {"A100-80GB": 2, "V100-16GB": 1},
-            "checkpoint_every": 5,
-            "report_every": 5,
-        },
-        "run": {"name": name, "storage_path": str(storage)},
-    }
 
 
 @pytest.fixture(scope="module")
 def cluster():
     with EmulatedCluster({"A100-80GB": 2, "V100-16GB": 2}, gpus_per_node=2) as c:
         yield c
-
-
-def ray_cli(cluster: EmulatedCluster, *args: str, timeout: float = 60) -> str:
-    out = subprocess.run(["ray", *args], env=cluster.env, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
-
-
-def submit(cluster: EmulatedCluster, tmp: Path, cfg: dict) -> tuple[str, Path]:
-    """`ray job submit --no-wait` of jobs/train.py; returns (submission id, result path)."""
-    cfg_path, out_path = tmp / f"{cfg['run']['name']}.yaml", tmp / f"{cfg['run']['name']}-{uuid.uuid4().hex[:6]}.json"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    job_id = f"test-{uuid.uuid4().hex[:8]}"
-    ray_cli(
-        cluster,
-        "job",
-        "submit",
-        "--no-wait",
-        "--submission-id",
-        job_id,
-        "--",
-        sys.executable,
-        str(REPO / "jobs" / "train.py"),
-        "--config",
-        str(cfg_path),
-        "--output",
-        str(out_path),
-    )
-    return job_id, out_path
-
-
-def job_status(cluster: EmulatedCluster, job_id: str) -> str:
-    """The job's status, from what `ray job status` prints for running and for finished jobs."""
-    out = ray_cli(cluster, "job", "status", job_id)
-    words = {"succeeded": "SUCCEEDED", "was stopped": "STOPPED", "failed": "FAILED"}
-    found = re.search(rf"Status for job '{job_id}': (\w+)|Job '{job_id}' (succeeded|was stopped|failed)", out)
-    assert found, out
-    return found.group(1) or words[found.group(2)]
-
-
-def wait_for(cluster: EmulatedCluster, job_id: str, timeout: float = 300) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = job_status(cluster, job_id)
-        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
-            return status
-        time.sleep(2)
-    raise TimeoutError(f"job {job_id} still not finished after {timeout} s")
-
-
-def final_params(result: dict) -> dict[str, torch.Tensor]:
-    return torch.load(Path(result["checkpoint_path"]) / "model.pt")
-
-
-def single_process_reference() -> dict[str, torch.Tensor]:
-    """One process, full global batch every step: what every split must reproduce."""
-    cfg = run_config(Path("/unused"), "reference")["train"]
-    torch.manual_seed(cfg["seed"])
-    workload = build_workload(WORKLOAD["name"], WORKLOAD["options"])
-    opt = torch.optim.AdamW(workload.model.parameters(), lr=cfg["lr"], weight_decay=0.0)
-    batches = GlobalBatches(len(workload.dataset), cfg["global_batch"], cfg["seed"])
-    for step in range(STEPS):
-        workload.loss_fn(workload.model, collate(workload.dataset, batches.indices(step))).backward()
-        opt.step()
-        opt.zero_grad()
-    return workload.model.state_dict()
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +158,62 @@ def test_onebit_adam_compresses_and_resumes_with_its_optimizer_state(cluster, tm
     resumed = json.loads(out.read_text())["metrics"]
     assert resumed["resumed_from_step"] == 10 and resumed["step"] == 13
     assert all(d["compressed"] for d in resumed["devices"])
+
+
+def scrape(ports: list[int]) -> list[tuple[str, dict[str, str]]]:
+    """(name, labels) of every sample on the cluster's Prometheus endpoints."""
+    samples = []
+    for port in ports:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            found = re.match(r"^(\w+)\{(.*)\} \S+$", line)
+            if found:
+                samples.append((found.group(1), dict(re.findall(r'(\w+)="([^"]*)"', found.group(2)))))
+    return samples
+
+
+def test_metrics_endpoint_has_every_metric_with_its_tags(cluster, tmp_path):
+    """A running job's figures reach the raylets' Prometheus endpoints, per rank and GPU type, labelled emulated."""
+    cfg = run_config(tmp_path / "runs", "metrics")
+    cfg["train"] = {**cfg["train"], "steps": 400, "report_every": 2, "checkpoint_every": 400}
+    job_id, _ = submit(cluster, tmp_path, cfg)
+    per_device = [
+        "step_seconds",
+        "samples_per_second",
+        "share",
+        "local_batch",
+        "compute_fraction",
+        "comm_seconds",
+        "bytes_sent",
+        "emulation_overruns",
+        "gpu_utilisation",
+        "gpu_memory_used_bytes",
+        "gpu_memory_total_bytes",
+    ]
+    run_wide = ["run_samples_per_second", "balance_efficiency", "loss", "steps", "excluded_workers"]
+    wanted = {prometheus_name(DEFINITIONS[f"hetero_ray_{n}"]): n for n in per_device + run_wide}
+    deadline, missing = time.monotonic() + 120, None
+    try:
+        while time.monotonic() < deadline:
+            samples = [(n, labels) for n, labels in scrape(cluster.metrics_ports) if labels.get("run") == "metrics"]
+            ranks: dict[str, set[tuple[str, str]]] = {}
+            for name, labels in samples:
+                if name in wanted:
+                    ranks.setdefault(name, set()).add((labels.get("rank", ""), labels.get("gpu_type", "")))
+                    assert labels["emulated"] == "true"
+            expected_devices = {("0", "A100-80GB"), ("1", "A100-80GB"), ("2", "V100-16GB"), ("3", "V100-16GB")}
+            missing = [n for n in wanted if n not in ranks] + [
+                wanted[n] for n in wanted if wanted[n] in per_device and n in ranks and ranks[n] != expected_devices
+            ]
+            if not missing:
+                break
+            assert job_status(cluster, job_id) in ("PENDING", "RUNNING"), ray_cli(cluster, "job", "logs", job_id)[
+                -2000:
+            ]
+            time.sleep(3)
+    finally:
+        ray_cli(cluster, "job", "stop", job_id)
+    assert not missing, f"not on the metrics endpoints (or not for every rank): {missing}"

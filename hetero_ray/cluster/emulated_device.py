@@ -45,6 +45,8 @@ class EmulatedDevice:
     dilation: float
     overrun_steps: int = field(default=0, init=False)
     comm_overruns: int = field(default=0, init=False)
+    # Most bytes held at once under ``memory_cap``: weights and optimizer state plus live activations.
+    peak_bytes: float = field(default=0.0, init=False)
 
     def modelled_seconds(self, samples: int) -> float:
         """Wall time this step's compute is padded to: the GPU's modelled time × dilation."""
@@ -100,6 +102,7 @@ class EmulatedDevice:
                 total[0] += entry[1]
             entry[0] += 1
             used = static_bytes + scale * total[0]
+            self.peak_bytes = max(self.peak_bytes, used)
             if used > cap:
                 raise EmulatedOOM(
                     f"emulated {self.spec.name} out of memory: {used / GiB:.3g} GiB needed, {cap / GiB:.3g} GiB available"

@@ -51,7 +51,10 @@ class EmulatedCluster:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hetero-ray-emulated-")))
     port: int = field(default_factory=_free_port)
     dashboard_port: int = field(default_factory=_free_port)
+    # Each raylet's Prometheus endpoint (http://127.0.0.1:<port>/metrics), head first.
+    metrics_ports: list[int] = field(default_factory=list, init=False)
     _procs: list[subprocess.Popen] = field(default_factory=list, init=False, repr=False)
+    _nodes: list[tuple[str, subprocess.Popen]] = field(default_factory=list, init=False, repr=False)
 
     @property
     def address(self) -> str:
@@ -75,15 +78,17 @@ class EmulatedCluster:
 
     def _ray_start(self, *args: str, log: str) -> subprocess.Popen:
         # Every raylet on one machine needs its own agent ports; Ray's defaults would collide.
-        ports = [
-            f"--{flag}={_free_port()}"
+        chosen = {
+            flag: _free_port()
             for flag in (
                 "dashboard-agent-listen-port",
                 "dashboard-agent-grpc-port",
                 "metrics-export-port",
                 "runtime-env-agent-port",
             )
-        ]
+        }
+        self.metrics_ports.append(chosen["metrics-export-port"])
+        ports = [f"--{flag}={port}" for flag, port in chosen.items()]
         out = open(self.workdir / f"{log}.log", "wb")
         proc = subprocess.Popen(
             ["ray", "start", "--block", "--disable-usage-stats", *ports, *args],
@@ -107,24 +112,42 @@ class EmulatedCluster:
             f"--dashboard-port={self.dashboard_port}",
             "--include-dashboard=true",
             "--labels=hetero-ray/role=head",
+            # A lost emulated node is declared dead after ~3 s rather than Ray's default ~15 s,
+            # so recovery tests and benchmarks do not spend their time waiting on heartbeats.
+            '--system-config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3}',
             log="head",
         )
         self._wait_for_port(self.port, timeout_s)
-        layout = node_layout(self.devices, self.gpus_per_node)
         # One raylet at a time: started together on two cores, some miss Ray's
         # fixed 30 s registration deadline.
-        for i, (gpu_type, count) in enumerate(layout):
-            self._ray_start(
-                f"--address={self.address}",
-                f"--num-cpus={count}",
-                f"--object-store-memory={self.object_store_bytes}",
-                f'--resources={{"{EMULATED_RESOURCE}": {count}}}',
-                f"--labels={GPU_TYPE_LABEL}={gpu_type},{EMULATED_LABEL}=true",
-                log=f"node{i}-{gpu_type}",
-            )
-            self._wait_for_nodes(2 + i, timeout_s)
+        for gpu_type, count in node_layout(self.devices, self.gpus_per_node):
+            self.add_node(gpu_type, count, timeout_s)
         self._wait_for_job_agent(timeout_s)
         return self
+
+    def add_node(self, gpu_type: str, count: int, timeout_s: float = 120) -> None:
+        """Start one more emulated node of ``count`` × ``gpu_type`` and wait until it has joined."""
+        proc = self._ray_start(
+            f"--address={self.address}",
+            f"--num-cpus={count}",
+            f"--object-store-memory={self.object_store_bytes}",
+            f'--resources={{"{EMULATED_RESOURCE}": {count}}}',
+            f"--labels={GPU_TYPE_LABEL}={gpu_type},{EMULATED_LABEL}=true",
+            log=f"node{len(self._nodes)}-{gpu_type}",
+        )
+        self._nodes.append((gpu_type, proc))
+        self._wait_for_nodes(1 + len(self._nodes), timeout_s)
+
+    def kill_node(self, gpu_type: str) -> None:
+        """Kill the first live node of ``gpu_type`` at once (raylet and its workers), as a lost machine."""
+        for i, (t, proc) in enumerate(self._nodes):
+            if t == gpu_type and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                self._procs.remove(proc)
+                del self._nodes[i]
+                return
+        raise ValueError(f"no live emulated node of type {gpu_type!r}")
 
     def _wait_for_job_agent(self, timeout_s: float) -> None:
         """`ray job submit` fails until the head's dashboard agent has registered: submit a no-op until it works."""

@@ -26,9 +26,11 @@ from torch.utils._pytree import tree_map
 from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.cluster.emulated_device import EmulatedDevice
 from hetero_ray.config import RunConfig
+from hetero_ray.monitor.worker import WorkerMonitor
 from hetero_ray.perf.footprint import STATIC_BYTES_PER_PARAM, Footprint
 from hetero_ray.plan.cost import RECOMPUTE_FACTOR, link_seconds
 from hetero_ray.plan.plan import Plan, WorkerRole
+from hetero_ray.train.checkpoint import restore_dir, write_checkpoint
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.device import torch_device, worker_gpu_type
 from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group, sequence
@@ -116,6 +118,17 @@ def train_worker(payload: dict[str, Any]) -> None:
         model = workload.model.to(device)
     sync = make_sync(model, cfg, device, role.precision if role else None, buckets)
     start_step, history = _restore(model, sync)
+    gpu_ids = ray.get_gpu_ids() if device.type == "cuda" else []
+    monitor = WorkerMonitor(
+        run=cfg.run.name,
+        rank=rank,
+        node=ray.get_runtime_context().get_node_id(),
+        gpu_type=gpu_type,
+        emu=emu,
+        gpu_index=int(gpu_ids[0]) if gpu_ids else None,
+    )
+    if start_step > 0:
+        monitor.restarted()
     batches = GlobalBatches(len(workload.dataset), cfg.train.global_batch, cfg.train.seed)
     progress = payload.get("progress")
     link = cfg.link
@@ -146,11 +159,13 @@ def train_worker(payload: dict[str, Any]) -> None:
             metrics = _metrics(step, loss, window, plan, rank_types, emu, start_step, history, started)
             whole = _whole_state(model, workload, sync, roles, rank, plan) if save else None
             _report(metrics, whole, history, step, plan, save=save)
+            monitor.report(metrics)
             if rank == 0 and progress is not None:
                 progress.put_nowait(metrics)
             window = Window()
         if synced.stop:
             break
+    monitor.close()
 
 
 def local_backward(model, workload, indices, role: WorkerRole | None, global_batch, device, emu, footprint, sync):
@@ -215,6 +230,7 @@ def _metrics(step, loss, window: Window, plan: Plan, rank_types, emu, start_step
         "resumed_from_step": start_step,
         "losses": [list(x) for x in history],
         "elapsed_s": time.monotonic() - started,
+        "time": time.time(),
     }
 
 
@@ -241,11 +257,21 @@ def _report(metrics, whole: tuple[dict, dict] | None, history, step, plan: Plan,
         ray.train.report(metrics)
         return
     tmp = Path(tempfile.mkdtemp(prefix="hetero-ray-ckpt-"))
+    model_state, optimizer_state = whole
+    state = {"step": step, "history": history, "plan": plan.to_dict()}
     try:
-        torch.save(whole[0], tmp / MODEL_FILE)
-        torch.save(whole[1], tmp / OPTIMIZER_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "history": history, "plan": plan.to_dict()}))
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        # Written with a manifest of sizes and hashes, so a restore can tell a whole checkpoint
+        # from one whose copy into storage was cut short.
+        write_checkpoint(
+            tmp / "checkpoint",
+            step,
+            {
+                MODEL_FILE: lambda path: torch.save(model_state, path),
+                OPTIMIZER_FILE: lambda path: torch.save(optimizer_state, path),
+                STATE_FILE: lambda path: path.write_text(json.dumps(state)),
+            },
+        )
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp / "checkpoint"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -255,8 +281,9 @@ def _restore(model, sync) -> tuple[int, list]:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return 0, []
-    with checkpoint.as_directory() as d:
-        d = Path(d)
+    with checkpoint.as_directory() as latest:
+        # Falls back to the newest older checkpoint of the run that verifies.
+        d, _ = restore_dir(Path(latest), Path(checkpoint.path).parent)
         model.load_state_dict(torch.load(d / MODEL_FILE, map_location="cpu"))
         sync.load_state_dict(torch.load(d / OPTIMIZER_FILE, map_location="cpu"))
         state = json.loads((d / STATE_FILE).read_text())

@@ -48,11 +48,17 @@ def run_training(cfg: RunConfig, prepared: Prepared | None = None, progress: Any
     emulated = cfg.emulation is not None
     if emulated:
         check_capacity(cfg)
+    if cfg.elastic:
+        # Any device of the run's types: after a loss the workers that remain are re-planned on
+        # (a per-worker list would keep asking for the lost type and wait forever).
+        workers, selector = (cfg.train.min_workers, cfg.num_workers), {GPU_TYPE_LABEL: f"in({','.join(cfg.devices)})"}
+    else:
+        workers, selector = cfg.num_workers, [{GPU_TYPE_LABEL: t} for t in rank_types(cfg)]
     scaling = ScalingConfig(
-        num_workers=cfg.num_workers,
+        num_workers=workers,
         use_gpu=not emulated,
         resources_per_worker={"CPU": 1, EMULATED_RESOURCE: 1} if emulated else {"CPU": 1, "GPU": 1},
-        label_selector=[{GPU_TYPE_LABEL: t} for t in rank_types(cfg)],
+        label_selector=selector,
     )
     trainer = TorchTrainer(
         train_worker,
@@ -69,7 +75,7 @@ def run_training(cfg: RunConfig, prepared: Prepared | None = None, progress: Any
             name=cfg.run.name,
             storage_path=str(Path(cfg.run.storage_path).expanduser()),
             checkpoint_config=CheckpointConfig(num_to_keep=3),
-            failure_config=FailureConfig(max_failures=0),
+            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
         ),
     )
     result = trainer.fit()

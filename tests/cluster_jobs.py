@@ -1,0 +1,118 @@
+"""Shared by the tests that submit jobs to an emulated cluster: the standard small job, `ray job` helpers,
+and the one-process reference every run on the full global batch must reproduce."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import yaml
+
+from hetero_ray.cluster.emulation import EmulatedCluster
+from hetero_ray.train.data import GlobalBatches, collate
+from hetero_ray.workloads import build_workload
+
+REPO = Path(__file__).resolve().parents[1]
+
+STEPS = 20
+WORKLOAD = {
+    "name": "gpt",
+    "options": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "corpus_bytes": 200_000},
+}
+
+
+def run_config(storage: Path, name: str) -> dict:
+    """2 fast + 2 slow workers with a 2:1 split, fp32, fixed seed."""
+    return {
+        "devices": {"A100-80GB": 2, "V100-16GB": 2},
+        # Slow enough (about 0.3 s a step) that a run can be stopped between checkpoints.
+        "emulation": {"dilation": 150_000},
+        "workload": WORKLOAD,
+        "train": {
+            "global_batch": 12,
+            "steps": STEPS,
+            "lr": 1e-3,
+            "seed": 7,
+            "precision": "fp32",
+            "split": {"A100-80GB": 2, "V100-16GB": 1},
+            "checkpoint_every": 5,
+            "report_every": 5,
+        },
+        "run": {"name": name, "storage_path": str(storage)},
+    }
+
+
+def ray_cli(cluster: EmulatedCluster, *args: str, timeout: float = 60) -> str:
+    out = subprocess.run(["ray", *args], env=cluster.env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def submit(cluster: EmulatedCluster, tmp: Path, cfg: dict) -> tuple[str, Path]:
+    """`ray job submit --no-wait` of jobs/train.py; returns (submission id, result path)."""
+    cfg_path, out_path = tmp / f"{cfg['run']['name']}.yaml", tmp / f"{cfg['run']['name']}-{uuid.uuid4().hex[:6]}.json"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    job_id = f"test-{uuid.uuid4().hex[:8]}"
+    ray_cli(
+        cluster,
+        "job",
+        "submit",
+        "--no-wait",
+        "--submission-id",
+        job_id,
+        "--",
+        sys.executable,
+        str(REPO / "jobs" / "train.py"),
+        "--config",
+        str(cfg_path),
+        "--output",
+        str(out_path),
+    )
+    return job_id, out_path
+
+
+def job_status(cluster: EmulatedCluster, job_id: str) -> str:
+    """The job's status, from what `ray job status` prints for running and for finished jobs."""
+    out = ray_cli(cluster, "job", "status", job_id)
+    words = {"succeeded": "SUCCEEDED", "was stopped": "STOPPED", "failed": "FAILED"}
+    found = re.search(rf"Status for job '{job_id}': (\w+)|Job '{job_id}' (succeeded|was stopped|failed)", out)
+    assert found, out
+    return found.group(1) or words[found.group(2)]
+
+
+def wait_for(cluster: EmulatedCluster, job_id: str, timeout: float = 300) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = job_status(cluster, job_id)
+        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            return status
+        time.sleep(2)
+    raise TimeoutError(f"job {job_id} still not finished after {timeout} s")
+
+
+def final_params(result: dict) -> dict[str, torch.Tensor]:
+    return torch.load(Path(result["checkpoint_path"]) / "model.pt")
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def single_process_reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """One process, full global batch every step: what every split, plan and recovery must reproduce."""
+    cfg = run_config(Path("/unused"), "reference")["train"]
+    torch.manual_seed(cfg["seed"])
+    workload = build_workload(WORKLOAD["name"], WORKLOAD["options"])
+    opt = torch.optim.AdamW(workload.model.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    batches = GlobalBatches(len(workload.dataset), cfg["global_batch"], cfg["seed"])
+    for step in range(steps):
+        workload.loss_fn(workload.model, collate(workload.dataset, batches.indices(step))).backward()
+        opt.step()
+        opt.zero_grad()
+    return workload.model.state_dict()

@@ -1,0 +1,127 @@
+"""Surviving failures on a real emulated cluster: a killed worker, a corrupt checkpoint, a lost node.
+
+One cluster for the module (2 × A100-80GB on one node, 2 × V100-16GB on another); the
+node-loss test runs last because it takes the A100 node away. Every run trains the
+standard small job (fp32, plain Adam, deterministic data order), so whatever happened,
+its final parameters must be those of one process on the full batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from cluster_jobs import (
+    STEPS,
+    final_params,
+    job_status,
+    max_abs_diff,
+    ray_cli,
+    run_config,
+    single_process_reference,
+    submit,
+    wait_for,
+)
+
+from hetero_ray.cluster.emulation import EmulatedCluster
+from hetero_ray.train.checkpoint import MANIFEST, checkpoint_dirs
+
+CHECKPOINT_EVERY = 5
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with EmulatedCluster({"A100-80GB": 2, "V100-16GB": 2}, gpus_per_node=2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return single_process_reference()
+
+
+def recovery_config(storage: Path, name: str, **train) -> dict:
+    cfg = run_config(storage, name)
+    cfg["train"] = {**cfg["train"], "checkpoint_every": CHECKPOINT_EVERY, "max_failures": 2, **train}
+    return cfg
+
+
+def wait_for_checkpoint(cluster: EmulatedCluster, job_id: str, run_dir: Path) -> int:
+    """Block until the run has a complete checkpoint; return its step."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        complete = [d for d in checkpoint_dirs(run_dir) if (d / MANIFEST).exists()]
+        if complete:
+            return json.loads((complete[-1] / MANIFEST).read_text())["step"]
+        assert job_status(cluster, job_id) in ("PENDING", "RUNNING"), ray_cli(cluster, "job", "logs", job_id)[-3000:]
+        time.sleep(0.5)
+    raise TimeoutError(f"no checkpoint in {run_dir}")
+
+
+def train_worker_pids(cluster: EmulatedCluster) -> list[int]:
+    out = ray_cli(
+        cluster,
+        "list",
+        "actors",
+        "--filter",
+        "class_name=RayTrainWorker",
+        "--filter",
+        "state=ALIVE",
+        "--detail",
+        "--format",
+        "json",
+    )
+    return [int(a["pid"]) for a in json.loads(out)]
+
+
+def test_killed_worker_restarts_from_its_checkpoint(cluster, tmp_path, reference):
+    """SIGKILL one training worker mid-run: the group restarts from the last checkpoint and ends as one process would."""
+    cfg = recovery_config(tmp_path / "runs", "worker-loss")
+    job_id, out = submit(cluster, tmp_path, cfg)
+    saved = wait_for_checkpoint(cluster, job_id, tmp_path / "runs" / "worker-loss")
+    os.kill(train_worker_pids(cluster)[-1], signal.SIGKILL)
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    m = json.loads(out.read_text())["metrics"]
+    # Resumed from the checkpoint there was when the worker died, or a later one: at most
+    # CHECKPOINT_EVERY steps were run twice.
+    assert m["resumed_from_step"] >= saved + 1
+    assert m["step"] == STEPS - 1
+    assert max_abs_diff(final_params(json.loads(out.read_text())), reference) <= 1e-5
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_one_before(cluster, tmp_path, reference):
+    """A checkpoint whose model file was damaged after a finished run: the resumed run verifies it, resumes
+    from the previous one and still ends as one process would."""
+    cfg = recovery_config(tmp_path / "runs", "corrupt")
+    job_id, out = submit(cluster, tmp_path, cfg)
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    *_, before, latest = checkpoint_dirs(tmp_path / "runs" / "corrupt")
+    model = latest / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model.write_bytes(bytes(data))
+    job_id, out = submit(cluster, tmp_path, recovery_config(tmp_path / "runs", "corrupt"))
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    m = json.loads(out.read_text())["metrics"]
+    assert m["resumed_from_step"] == json.loads((before / MANIFEST).read_text())["step"] + 1
+    assert max_abs_diff(final_params(json.loads(out.read_text())), reference) <= 1e-5
+
+
+def test_lost_node_replans_on_the_remaining_type(cluster, tmp_path, reference):
+    """Kill the whole A100 node mid-run: the run goes on on the two V100s, re-planned for the same global
+    batch, and ends as one process would."""
+    cfg = recovery_config(tmp_path / "runs", "node-loss", min_workers=1)
+    job_id, out = submit(cluster, tmp_path, cfg)
+    saved = wait_for_checkpoint(cluster, job_id, tmp_path / "runs" / "node-loss")
+    cluster.kill_node("A100-80GB")
+    assert wait_for(cluster, job_id, timeout=400) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    result = json.loads(out.read_text())
+    m = result["metrics"]
+    assert m["resumed_from_step"] >= saved + 1
+    assert sorted(d["gpu_type"] for d in m["devices"]) == ["V100-16GB", "V100-16GB"]
+    assert sum(d["local_batch"] for d in m["devices"]) == cfg["train"]["global_batch"]
+    assert max_abs_diff(final_params(result), reference) <= 1e-5
