@@ -22,6 +22,7 @@ from ranks import run_ranks
 from hetero_ray.config import ConfigError
 from hetero_ray.train.onebit import (
     GlooCompressedBackend,
+    fused_allreduce_bytes,
     init_distributed_on_gloo,
     initialize_on_gloo,
     padded_numel,
@@ -36,6 +37,10 @@ BYTES_NUMELS = [2**20, 37]
 # Local batch per rank, uneven on purpose.
 SHARES = {2: [2, 1], 4: [3, 1, 1, 2]}
 HETERO_NUMEL = 256  # a multiple of 8 x W x lcm(W, 8) for W = 2 and 4: no padding, so no padding zeros
+# Tensors fused into one buffer (190 elements, padded to 192): sizes not divisible by 8 x W,
+# segments crossing server chunks, a 1-element tensor, and an empty one (it holds no segment).
+SEGMENTS = (37, 5, 0, 128, 19, 1)
+HETERO_SEGMENTS = (100, 56, 100)
 LOSSY_STEPS = 30
 
 
@@ -80,6 +85,56 @@ def reference_allreduce(
     return torch.cat(result)[:numel].reshape(inputs[0].shape)
 
 
+def segmented_reference(
+    inputs: list[torch.Tensor],
+    worker_errors: list[torch.Tensor],
+    server_errors: list[torch.Tensor],
+    segments: tuple[int, ...],
+) -> torch.Tensor:
+    """:func:`reference_allreduce` with one scale per segment (the padding its own), on workers and servers.
+
+    A server's chunk compresses each piece of a segment that falls in it with its own scale.
+    """
+    world, numel, padded = len(inputs), inputs[0].numel(), worker_errors[0].numel()
+    chunk = padded // world
+    cuts = sorted({0, padded, *torch.tensor(segments).cumsum(0).tolist()})
+    messages = []
+    for r, x in enumerate(inputs):
+        v = torch.cat([x.reshape(-1), torch.zeros(padded - numel)]) + worker_errors[r]
+        message = torch.empty(padded)
+        for a, b in zip(cuts, cuts[1:]):
+            scale, sign = one_bit(v[a:b])
+            message[a:b] = scale * sign
+        worker_errors[r] = v - message
+        messages.append(message)
+    average = sum(messages) / world
+    result = []
+    for r in range(world):
+        lo, hi = r * chunk, (r + 1) * chunk
+        m = average[lo:hi] + server_errors[r]
+        out = torch.empty(chunk)
+        pieces = sorted({lo, hi, *(c for c in cuts if lo < c < hi)})
+        for a, b in zip(pieces, pieces[1:]):
+            scale, sign = one_bit(m[a - lo : b - lo])
+            out[a - lo : b - lo] = scale * sign
+        server_errors[r] = m - out
+        result.append(out)
+    return torch.cat(result)[:numel]
+
+
+def fused_inputs(world: int) -> list[list[torch.Tensor]]:
+    """inputs[step][rank]: one buffer of SEGMENTS' tensors, segment k of magnitude ~10^(k-2), with exact zeros."""
+    g = torch.Generator().manual_seed(50 + world)
+    magnitude = torch.cat([torch.full((n,), 10.0 ** (k - 2)) for k, n in enumerate(SEGMENTS)])
+    inputs = []
+    for _ in range(STEPS):
+        per_rank = [torch.randn(sum(SEGMENTS), generator=g) * magnitude for _ in range(world)]
+        for x in per_rank:
+            x[x.abs() < 0.1 * magnitude] = 0.0
+        inputs.append(per_rank)
+    return inputs
+
+
 def exactness_inputs(world: int) -> list[list[list[torch.Tensor]]]:
     """inputs[step][rank][tensor]: random, with exact zeros (1-bit compression maps them to +1)."""
     g = torch.Generator().manual_seed(world)
@@ -120,8 +175,10 @@ def average_backend_gradient(samples: torch.Tensor, world: int, global_batch: in
 # ---------------------------------------------------------------- one spawned run per world size
 
 
-def backend_rank(rank: int, world: int, inputs: list, lossless: torch.Tensor, lossy: list[torch.Tensor]) -> dict:
-    """Every backend scenario on one rank: exactness, bytes, weighting, an explicit group, a size error."""
+def backend_rank(
+    rank: int, world: int, inputs: list, fused: list, lossless: torch.Tensor, lossy: list[torch.Tensor]
+) -> dict:
+    """Every backend scenario on one rank: exactness (per tensor and fused), bytes, weighting, a group, size errors."""
     dist.init_process_group("gloo")
     backend = GlooCompressedBackend()
     result = {"size": backend.size, "rank": backend.rank}
@@ -139,6 +196,22 @@ def backend_rank(rank: int, world: int, inputs: list, lossless: torch.Tensor, lo
     result |= {"outputs": outputs, "in_place": in_place, "worker_errors": [w for w, _ in errors]}
     result["server_errors"] = [s for _, s in errors]
 
+    # Fused: one buffer, every segment with its own scale; errors persist across steps as the optimizer's do.
+    segmented = GlooCompressedBackend()
+    segmented.set_segments(SEGMENTS)
+    buffer = torch.zeros(sum(SEGMENTS))
+    worker_error, server_error = error_buffers(buffer.numel(), world)
+    fused_out = []
+    for step in fused:
+        buffer.copy_(step[rank])
+        fused_out.append(segmented.compressed_allreduce(buffer, worker_error, server_error, rank).clone())
+    result |= {"fused": fused_out, "fused_worker_error": worker_error, "fused_server_error": server_error}
+    result |= {"fused_bytes": segmented.last_bytes_sent, "fused_rounds": segmented.last_rounds}
+    try:
+        segmented.compressed_allreduce(torch.ones(37), *error_buffers(37, world), rank)
+    except ValueError as e:
+        result["segments_error"] = str(e)
+
     # Bytes: a fresh backend, so its counters hold these calls only.
     counted = GlooCompressedBackend()
     per_call = []
@@ -147,19 +220,28 @@ def backend_rank(rank: int, world: int, inputs: list, lossless: torch.Tensor, lo
         per_call.append(counted.last_bytes_sent)
     result |= {"bytes_per_call": per_call, "bytes_sent": counted.bytes_sent, "calls": counted.calls}
 
-    # Heterogeneous weighting: rank r owns the next SHARES[world][r] samples of the global batch.
+    # Heterogeneous weighting: rank r owns the next SHARES[world][r] samples of the global batch;
+    # once with one scale per call, once fused into segments with a scale each.
     shares = SHARES[world]
     start, global_batch = sum(shares[:rank]), sum(shares)
     mine = slice(start, start + shares[rank])
-    exact = average_backend_gradient(lossless[mine], world, global_batch)
-    backend.compressed_allreduce(exact, *error_buffers(HETERO_NUMEL, world), rank)
-    worker_error, server_error = error_buffers(HETERO_NUMEL, world)
-    lossy_out = []
-    for samples in lossy:
-        local = average_backend_gradient(samples[mine], world, global_batch)
-        lossy_out.append(backend.compressed_allreduce(local, worker_error, server_error, rank).clone())
-    result |= {"lossless": exact, "lossy": lossy_out, "lossy_worker_error": worker_error}
-    result["lossy_server_error"] = server_error
+    weighted_by = GlooCompressedBackend()
+    weighted_by.set_segments(HETERO_SEGMENTS)
+    result["weighting"] = {}
+    for name, weighting in (("plain", backend), ("fused", weighted_by)):
+        exact = average_backend_gradient(lossless[mine], world, global_batch)
+        weighting.compressed_allreduce(exact, *error_buffers(HETERO_NUMEL, world), rank)
+        worker_error, server_error = error_buffers(HETERO_NUMEL, world)
+        lossy_out = []
+        for samples in lossy:
+            local = average_backend_gradient(samples[mine], world, global_batch)
+            lossy_out.append(weighting.compressed_allreduce(local, worker_error, server_error, rank).clone())
+        result["weighting"][name] = {
+            "lossless": exact,
+            "lossy": lossy_out,
+            "lossy_worker_error": worker_error,
+            "lossy_server_error": server_error,
+        }
 
     # An explicit group, as a pipeline plan's data-parallel groups: pairs of consecutive ranks.
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
@@ -185,11 +267,14 @@ def backend_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], di
             g = torch.Generator().manual_seed(10 + world)
             scenario = {
                 "inputs": exactness_inputs(world),
+                "fused": fused_inputs(world),
                 "lossless": lossless_samples(SHARES[world], seed=world),
                 "lossy": [torch.randn(sum(SHARES[world]), HETERO_NUMEL, generator=g) for _ in range(LOSSY_STEPS)],
             }
             out = tmp_path_factory.mktemp(f"world{world}")
-            ranks = run_ranks(backend_rank, world, out, scenario["inputs"], scenario["lossless"], scenario["lossy"])
+            ranks = run_ranks(
+                backend_rank, world, out, scenario["inputs"], scenario["fused"], scenario["lossless"], scenario["lossy"]
+            )
             cache[world] = scenario | {"ranks": ranks}
         return cache[world]
 
@@ -233,6 +318,46 @@ def test_compressed_allreduce_equals_reference(world: int, backend_runs: Callabl
     assert all(max(e.abs().max() for e in errors) > 0 for errors in server_errors)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_allreduce_equals_segmented_reference(world: int, backend_runs: Callable[[int], dict]) -> None:
+    """Fused tensors, one scale per segment on workers and per piece on servers: bit for bit the reference."""
+    run = backend_runs(world)
+    numel = sum(SEGMENTS)
+    worker_errors = [error_buffers(numel, world)[0] for _ in range(world)]
+    server_errors = [error_buffers(numel, world)[1] for _ in range(world)]
+    one_scale = ([e.clone() for e in worker_errors], [e.clone() for e in server_errors])
+    expected, unsegmented = [], []
+    for step in run["fused"]:
+        expected.append(segmented_reference(step, worker_errors, server_errors, SEGMENTS))
+        unsegmented.append(reference_allreduce(step, *one_scale))
+    for r, got in enumerate(run["ranks"]):
+        for call, (out, ref) in enumerate(zip(got["fused"], expected)):
+            assert torch.equal(out, ref), f"rank {r}, call {call}: max diff {(out - ref).abs().max()}"
+        assert torch.equal(got["fused_worker_error"], worker_errors[r])
+        assert torch.equal(got["fused_server_error"], server_errors[r])
+    # Segments matter: one scale for the buffer gives another result, and the 0.01-sized first
+    # tensor keeps its size only with its own scale.
+    assert not torch.equal(expected[-1], unsegmented[-1])
+    first = slice(0, SEGMENTS[0])
+    assert expected[-1][first].abs().max() < 0.1 < unsegmented[-1][first].abs().max()
+    # The padding is a segment of its own: zero in, zero error out.
+    assert all(float(e[numel:].abs().max()) == 0.0 for e in worker_errors)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_call_is_two_collectives_and_counts_its_bytes(world: int, backend_runs: Callable[[int], dict]) -> None:
+    # 190 elements padded to 192, chunks of 96 (W=2) or 48 (W=4). Segments (37, 5, 128, 19, 1, pad 2):
+    #   W=2: chunk 0 meets 37, 5, 128 (3 pieces), chunk 1 meets 128, 19, 1, pad (4): 4 slots
+    #        -> 2 phases x 1 peer x (96/8 + 4*4) = 56
+    #   W=4: chunk 0 meets 37, 5, 128; chunks 1, 2 only 128; chunk 3 128, 19, 1, pad: 4 slots
+    #        -> 2 phases x 3 peers x (48/8 + 4*4) = 132
+    expected = {2: 56, 4: 132}[world]
+    assert fused_allreduce_bytes(SEGMENTS, world) == expected
+    for got in backend_runs(world)["ranks"]:
+        assert (got["fused_bytes"], got["fused_rounds"]) == (expected, 2 * (world - 1))
+        assert "declared segments sum to 190" in got["segments_error"] and "\n" not in got["segments_error"]
+
+
 def test_explicit_group_reduces_within_the_group(backend_runs: Callable[[int], dict]) -> None:
     run = backend_runs(4)
     for first in (0, 2):
@@ -266,8 +391,12 @@ def test_bytes_sent_are_counted_and_about_a_32nd_of_fp32(world: int, backend_run
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_share_weighted_average_survives_compression(world: int, backend_runs: Callable[[int], dict]) -> None:
-    """hetero-ray scales losses by W * b_r / B for an averaging backend; the result is the full-batch gradient."""
+@pytest.mark.parametrize("backend", ["plain", "fused"])
+def test_share_weighted_average_survives_compression(
+    world: int, backend: str, backend_runs: Callable[[int], dict]
+) -> None:
+    """hetero-ray scales losses by W * b_r / B for an averaging backend; the result is the full-batch gradient,
+    with one scale per call and with one per fused segment."""
     run = backend_runs(world)
     shares, lossless = SHARES[world], run["lossless"]
     full_batch = lossless.mean(dim=0)
@@ -275,14 +404,14 @@ def test_share_weighted_average_survives_compression(world: int, backend_runs: C
     local_means = [lossless[a:b].mean(dim=0) for a, b in zip(bounds, bounds[1:])]
     # The weighting matters here: an unweighted average of local means is far off.
     assert (sum(local_means) / world - full_batch).abs().max() > 0.1
-    for got in run["ranks"]:
+    ranks = [got["weighting"][backend] for got in run["ranks"]]
+    for got in ranks:
         # Lossless compression (one magnitude everywhere): equal up to float rounding of the scales.
         torch.testing.assert_close(got["lossless"], full_batch, rtol=1e-6, atol=1e-6)
 
     # Lossy compression over many steps: error feedback delays, never loses. With zero initial
     # errors, sum_t out_t + server_error + mean_r worker_error_r = sum_t full_batch_t in exact arithmetic,
     # so the compressed average equals the share-weighted one up to a bounded, non-growing error.
-    ranks = run["ranks"]
     delivered = sum(ranks[0]["lossy"])
     pending = torch.cat([r["lossy_server_error"] for r in ranks]) + sum(r["lossy_worker_error"] for r in ranks) / world
     wanted = sum(samples.mean(dim=0) for samples in run["lossy"])

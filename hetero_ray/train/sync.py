@@ -8,6 +8,7 @@ after their warm-up. Both give the same interface to the training loop.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -170,37 +171,69 @@ def deepspeed_config(cfg: RunConfig, world: int, on_gpu: bool) -> dict:
     }
 
 
-class DeepSpeedOnebit:
-    """DeepSpeed's OnebitAdam / ZeroOneAdam on the process group Ray Train set up.
+# DeepSpeed's per-tensor sizing and error-feedback state: it re-derives the sizes and resets
+# the errors whenever it loads a state (the errors are each rank's own), so checkpoints omit them.
+DEEPSPEED_REDERIVED = {"worker_error", "server_error", "momentum_accumulator", "tensor_size", "corrected_tensor_size"}
+DEEPSPEED_REDERIVED |= {"server_chunk_size"}
 
-    They average across ranks, so each rank's loss is weighted ``× world``. Until the
-    warm-up ends the engine all-reduces fp32 gradients; then only 1-bit compressed
-    momentum crosses the wire, counted by the backend: DeepSpeed compresses each
-    parameter tensor in its own collective, each with its own scale. The loss and
-    stop vote take one extra 2-element all-reduce.
+
+class DeepSpeedOnebit:
+    """DeepSpeed's OnebitAdam / ZeroOneAdam over a data-parallel group, its updates applied to the model.
+
+    On gloo (CPU) the parameters become views into one flat fp32 parameter, the only one
+    DeepSpeed sees, so it makes one compressed call per step, and the backend gives every
+    original tensor its own scale (``onebit/flat.py``, ``GlooCompressedBackend.set_segments``).
+    On GPUs, DeepSpeed's NCCL backend has one scale per call, so there DeepSpeed gets the
+    tensors themselves and compresses tensor by tensor (one flat tensor under one scale
+    trained measurably worse: ``docs/decisions.md``).
+
+    DeepSpeed averages over the group; the loss is weighted as for a sum (``loss_weight`` 1,
+    like pipeline stages) and the gradients are multiplied by the group size before the
+    step. Until the warm-up ends DeepSpeed all-reduces fp32 gradients; then only 1-bit
+    compressed momentum crosses the wire, counted by our backend. ``bucket``: this rank's
+    parameters and their data-parallel group in a pipelined plan (``mpu`` for DeepSpeed);
+    ``None``: the whole model over the world. The loss and stop vote take one extra
+    2-element all-reduce over the world. Optimizer state is saved per parameter, by
+    position in ``model.parameters()`` as ``TorchAdam`` saves it.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: RunConfig, device: torch.device):
-        from hetero_ray.train.onebit import init_distributed_on_gloo, initialize_on_gloo
+    loss_weight = 1.0
+
+    def __init__(self, model: torch.nn.Module, cfg: RunConfig, device: torch.device, bucket: Bucket | None = None):
+        from hetero_ray.train.onebit import (
+            FlatParameters,
+            data_parallel_mpu,
+            init_distributed_on_gloo,
+            initialize_on_gloo,
+        )
 
         self.device = device
         self.world = dist.get_world_size()
-        self.numels = [p.numel() for p in model.parameters()]
-        self.loss_weight = float(self.world)
-        config = deepspeed_config(cfg, self.world, device.type == "cuda")
-        if device.type == "cuda":
+        params = bucket.params if bucket is not None else list(model.parameters())
+        self.group_size = bucket.size if bucket is not None else self.world
+        position = {id(p): i for i, p in enumerate(model.parameters())}
+        self.index = [position[id(p)] for p in params]
+        self.numels = [p.numel() for p in params]
+        self.params = params
+        mpu = data_parallel_mpu(bucket.group) if bucket is not None else None
+        config = deepspeed_config(cfg, self.group_size, device.type == "cuda")
+        self.flat = None if device.type == "cuda" else FlatParameters(params)
+        if self.flat is None:
             import deepspeed
 
             deepspeed.init_distributed(dist_backend="nccl")
             self.engine, self.optimizer, _, _ = deepspeed.initialize(
-                config=config, model=model, model_parameters=model.parameters()
+                config=config, model=model, model_parameters=params, mpu=mpu
             )
         else:
             init_distributed_on_gloo()
             self.engine, self.optimizer, _, _ = initialize_on_gloo(
-                config=config, model=model, model_parameters=model.parameters()
+                config=config, model=self.flat, model_parameters=[self.flat.flat], mpu=mpu
             )
         self.backend = self.optimizer.comm_backend_handle
+        if self.flat is not None:
+            self.backend.set_segments(self.numels)
+        self.grad_copy_s = 0.0  # cumulative time moving gradients into the flat one (and scaling them)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
@@ -213,31 +246,103 @@ class DeepSpeedOnebit:
         """Reduce (fp32 or compressed, as DeepSpeed's phase says) and update."""
         compressed = self.compressed()
         counted = hasattr(self.backend, "bytes_sent")  # ours counts; DeepSpeed's NCCL backend does not
-        before = self.backend.bytes_sent if counted else 0
+        before = (self.backend.bytes_sent, self.backend.rounds) if counted else (0, 0)
+        t0 = time.perf_counter()
+        if self.flat is not None:
+            self.flat.collect_grads(self.group_size)
+        else:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(self.group_size)
+        self.grad_copy_s += time.perf_counter() - t0
         self.engine.step()
         votes = torch.tensor([loss_sum, float(stop)], device=self.device)
         dist.all_reduce(votes)
+        vote_bytes, vote_rounds = ring_allreduce_bytes(4 * votes.numel(), self.world), 2 * (self.world - 1)
+        group = self.group_size
         if not compressed:
-            sent = ring_allreduce_bytes(4 * sum(self.numels), self.world)
+            # DeepSpeed buckets the fp32 all-reduce into one ring.
+            sent, rounds = ring_allreduce_bytes(4 * sum(self.numels), group), 2 * (group - 1)
         elif counted:
-            sent = self.backend.bytes_sent - before
+            sent, rounds = self.backend.bytes_sent - before[0], self.backend.rounds - before[1]
         else:
-            sent = sum(onebit_allreduce_bytes(n, self.world) for n in self.numels)
+            # DeepSpeed's NCCL backend: tensor by tensor, four collectives each.
+            sent = sum(onebit_allreduce_bytes(n, group) for n in self.numels)
+            rounds = 4 * len(self.numels) * (group - 1)
         return Synced(
             loss_total=float(votes[0]),
             stop=bool(votes[1] > 0),
-            bytes_sent=sent,
-            # DeepSpeed buckets the fp32 all-reduce; it compresses tensor by tensor.
-            messages=(4 * len(self.numels) if compressed else 2) * (self.world - 1),
+            bytes_sent=sent + vote_bytes,
+            messages=rounds + vote_rounds,
             compressed=compressed,
         )
 
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+        """DeepSpeed's state per parameter, keyed by position in ``model.parameters()``, without its errors."""
+        state = self.optimizer.state_dict()
+        groups = [{**g, "params": []} for g in state["param_groups"]]
+        group = {k: v for k, v in groups[0].items() if k != "exp_avg_mask"} | {"params": self.index}
+        entries = state["state"]
+        if self.flat is None:
+            per_param = {self.index[i]: s for i, s in entries.items()}
+        elif entries:
+            flat = entries[0]
+            split = {
+                k: self.flat.split(v)
+                for k, v in flat.items()
+                if isinstance(v, torch.Tensor) and k in ("exp_avg", "exp_avg_sq")
+            }
+            per_param = {
+                g: {k: split[k][j] if k in split else v for k, v in flat.items()} for j, g in enumerate(self.index)
+            }
+        else:
+            per_param = {}
+        return {
+            "state": {g: {k: v for k, v in s.items() if k not in DEEPSPEED_REDERIVED} for g, s in per_param.items()},
+            "param_groups": [group],
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        """DeepSpeed resets the compression errors on load (each rank's own, not in the checkpoint)."""
-        self.optimizer.load_state_dict(state)
+        """Load this rank's parameters' entries of a whole-model state; DeepSpeed resets the compression errors."""
+        mine = [state["state"].get(g) for g in self.index]
+        hyper = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+        if self.flat is None:
+            local = {i: s for i, s in enumerate(mine) if s is not None}
+            groups = [{**hyper, "params": list(range(len(self.index)))}]
+        else:
+            local = {}
+            if all(s is not None for s in mine) and mine:
+                first = mine[0]
+                local = {
+                    0: {
+                        k: self.flat.join([s[k] for s in mine]) if k in ("exp_avg", "exp_avg_sq") else v
+                        for k, v in first.items()
+                    }
+                }
+            groups = [{**hyper, "params": [0]}]
+        self.optimizer.load_state_dict({"state": local, "param_groups": groups})
+
+
+def onebit_bucket(buckets: list[Bucket], optimizer: str) -> Bucket:
+    """The one bucket a 1-bit optimizer runs on in a pipelined plan, or a one-line ConfigError naming the plan's shape.
+
+    Every rank decides on every rank's buckets (one ``all_gather_object``), so no rank enters
+    DeepSpeed while another raises.
+    """
+    mine = [
+        tuple(dist.get_process_group_ranks(b.group)) if b.group is not None else (dist.get_rank(),) for b in buckets
+    ]
+    everyone: list[list[tuple[int, ...]]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    unfit = [(rank, sets) for rank, sets in enumerate(everyone) if len(sets) != 1 or len(sets[0]) < 2]
+    if unfit:
+        rank, sets = unfit[0]
+        raise ConfigError(
+            f"optimizer.name: {optimizer} on a pipelined plan needs each rank's layers summed over one set of "
+            f"two or more ranks (pipelines all cut alike), but rank {rank}'s are summed over rank sets {sets}; "
+            f"use adam, or a plan whose pipelines are all cut alike"
+        )
+    return buckets[0]
 
 
 def make_sync(
@@ -250,8 +355,5 @@ def make_sync(
     """The synchroniser the config asks for; ``buckets`` when this rank holds part of the model."""
     if cfg.optimizer.name == "adam":
         return TorchAdam(model, cfg, device, precision, buckets)
-    if buckets is not None:
-        raise ConfigError(
-            f"optimizer.name: {cfg.optimizer.name} does not run on pipelined plans yet; use adam, or a plan without stages"
-        )
-    return DeepSpeedOnebit(model, cfg, device)
+    bucket = onebit_bucket(buckets, cfg.optimizer.name) if buckets is not None else None
+    return DeepSpeedOnebit(model, cfg, device, bucket)
