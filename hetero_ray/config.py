@@ -38,6 +38,22 @@ class LinkConfig(_Strict):
         return self.latency_us * 1e-6
 
 
+class DeviceEvent(_Strict):
+    """Something that happens to one emulated device mid-run: it throttles, or loses memory."""
+
+    step: int = Field(ge=0, description="The step from which it holds.")
+    gpu_type: str
+    index: int = Field(0, ge=0, description="Which worker of that type: 0 is the first.")
+    speed: float | None = Field(None, gt=0, description="Multiplies the device's speed (0.5: half speed).")
+    memory_gib: float | None = Field(None, gt=0, description="The device's memory from then on.")
+
+    @model_validator(mode="after")
+    def _something_happens(self) -> DeviceEvent:
+        if self.speed is None and self.memory_gib is None:
+            raise ValueError("give speed and/or memory_gib")
+        return self
+
+
 class EmulationConfig(_Strict):
     """Emulated GPUs: real CPU computation padded to each type's modelled time."""
 
@@ -48,6 +64,9 @@ class EmulationConfig(_Strict):
     )
     efficiency: float = Field(0.4, gt=0, le=1, description="Fraction of the catalog's peak FLOP/s a step achieves.")
     gpus_per_node: int = Field(2, ge=1, description="Emulated GPUs per emulated Ray node.")
+    events: list[DeviceEvent] = Field(
+        default_factory=list, description="Devices that throttle or lose memory mid-run (to test rebalancing)."
+    )
 
     @field_validator("dilation")
     @classmethod
@@ -86,6 +105,18 @@ class TrainConfig(_Strict):
     report_every: int = Field(10, gt=0, description="Steps between metric reports.")
     duration_s: float | None = Field(
         None, gt=0, description="Stop early after this much wall time (the demo's minute)."
+    )
+    rebalance_every: int | None = Field(
+        None,
+        ge=1,
+        description="Data parallelism: steps between re-derivations of the shares from each worker's measured "
+        "compute time. None: the planned shares hold (an out-of-memory still re-splits).",
+    )
+    rebalance_threshold: float = Field(
+        0.05, ge=0, description="Re-split when the slowest worker's compute exceeds the mean by this fraction."
+    )
+    rebalance_damping: float = Field(
+        0.7, gt=0, le=1, description="How far each speed estimate moves toward its measurement (1: all the way)."
     )
     max_failures: int = Field(
         3, ge=-1, description="Restarts from the last checkpoint after a worker or node dies (-1: no limit)."
@@ -172,6 +203,17 @@ class RunConfig(_Strict):
         if bad:
             raise ValueError(f"worker counts must be >= 1 (got {bad})")
         return v
+
+    @model_validator(mode="after")
+    def _events_name_devices(self) -> RunConfig:
+        for i, event in enumerate(self.emulation.events if self.emulation else ()):
+            count = self.devices.get(event.gpu_type, 0)
+            if event.index >= count:
+                raise ValueError(
+                    f"emulation.events.{i}: no worker {event.gpu_type} #{event.index}; "
+                    f"devices has {count} of that type (index 0..{count - 1})"
+                )
+        return self
 
     @model_validator(mode="after")
     def _min_workers_within_devices(self) -> RunConfig:

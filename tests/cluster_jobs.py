@@ -3,6 +3,7 @@ and the one-process reference every run on the full global batch must reproduce.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -65,6 +66,10 @@ def submit(cluster: EmulatedCluster, tmp: Path, cfg: dict) -> tuple[str, Path]:
         "--no-wait",
         "--submission-id",
         job_id,
+        # After a lost node, Ray Train first asks for the old group size until this times out
+        # (default 60 s) and only then re-plans on what is left; tests need not wait that long.
+        "--runtime-env-json",
+        json.dumps({"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"}}),
         "--",
         sys.executable,
         str(REPO / "jobs" / "train.py"),

@@ -18,6 +18,7 @@ from hetero_ray.monitor.metrics import (
     decision_records,
     health_records,
     prometheus_name,
+    rebalance_records,
     report_records,
     restart_records,
     window_steps,
@@ -196,6 +197,7 @@ def everything_emitted() -> list:
         *health_records(real_reading(), rank=0, gpu_type="A100-80GB", run="r"),
         *health_records(emu, rank=1, gpu_type="V100-16GB", run="r"),
         *restart_records(run="r", emulated=True),
+        *rebalance_records("imbalance", run="r", emulated=True),
         *decision_records(decision, rank=0, node="n", gpu_type="A100-80GB", run="r", emulated=True),
     ]
 
@@ -243,7 +245,7 @@ def test_the_loops_report_has_the_shape_the_recorder_reads() -> None:
         window = Window()
         for _ in range(5):
             window.add(0.5, 0.4, 0.1, Synced(loss_total=1.0, stop=False, bytes_sent=64.0, messages=1, compressed=False))
-        report = _metrics(4, 2.0, window, plan, ["A100-80GB"], None, 0, [(4, 2.0)], 0.0)
+        report = _metrics(4, 2.0, window, plan, list(plan.roles), ["A100-80GB"], None, 0, [(4, 2.0)], 0.0)
     finally:
         dist.destroy_process_group()
     records = by_name(report_records(report, rank=0, node="n", run="r"))

@@ -1,4 +1,5 @@
-"""Surviving failures on a real emulated cluster: a killed worker, a corrupt checkpoint, a lost node.
+"""Surviving failures on a real emulated cluster: a killed worker, a corrupt checkpoint, an out-of-memory,
+a throttled device, a lost node.
 
 One cluster for the module (2 × A100-80GB on one node, 2 × V100-16GB on another); the
 node-loss test runs last because it takes the A100 node away. Every run trains the
@@ -28,6 +29,7 @@ from cluster_jobs import (
 )
 
 from hetero_ray.cluster.emulation import EmulatedCluster
+from hetero_ray.monitor.metrics import balance_efficiency
 from hetero_ray.train.checkpoint import MANIFEST, checkpoint_dirs
 
 CHECKPOINT_EVERY = 5
@@ -109,6 +111,35 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_one_before(cluster, tmp_pat
     m = json.loads(out.read_text())["metrics"]
     assert m["resumed_from_step"] == json.loads((before / MANIFEST).read_text())["step"] + 1
     assert max_abs_diff(final_params(json.loads(out.read_text())), reference) <= 1e-5
+
+
+def test_out_of_memory_shrinks_the_device_and_keeps_the_step(cluster, tmp_path, reference):
+    """The second V100 loses memory at step 6 (0.88 MiB: its micro-batch of 2 no longer fits, 1 does): the
+    step is finished in halves, that device's share shrinks, and the run ends as one process would."""
+    cfg = recovery_config(tmp_path / "runs", "oom")
+    cfg["emulation"]["events"] = [{"step": 6, "gpu_type": "V100-16GB", "index": 1, "memory_gib": 0.88 / 1024}]
+    job_id, out = submit(cluster, tmp_path, cfg)
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    result = json.loads(out.read_text())
+    m = result["metrics"]
+    v100 = [d for d in m["devices"] if d["gpu_type"] == "V100-16GB"]
+    assert [d["local_batch"] for d in v100] == [2, 1] and v100[1]["micro_batch"] == 1
+    assert m["rebalances"] >= 1 and m["resumed_from_step"] == 0
+    assert max_abs_diff(final_params(result), reference) <= 1e-5
+
+
+def test_throttled_device_is_rebalanced_within_three_resplits(cluster, tmp_path):
+    """The first V100 drops to half speed at step 3; re-splitting from measured compute every 3 steps brings
+    throughput back to at least 0.9 of the new ideal (the sum of each device's own samples/s) within 3 re-splits."""
+    cfg = recovery_config(
+        tmp_path / "runs", "throttle", steps=15, report_every=3, rebalance_every=3, split="proportional"
+    )
+    cfg["emulation"]["events"] = [{"step": 3, "gpu_type": "V100-16GB", "index": 0, "speed": 0.5}]
+    job_id, out = submit(cluster, tmp_path, cfg)
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    m = json.loads(out.read_text())["metrics"]
+    assert 1 <= m["rebalances"] <= 3
+    assert balance_efficiency(m) >= 0.9
 
 
 def test_lost_node_replans_on_the_remaining_type(cluster, tmp_path, reference):

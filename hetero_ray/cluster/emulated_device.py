@@ -47,11 +47,17 @@ class EmulatedDevice:
     comm_overruns: int = field(default=0, init=False)
     # Most bytes held at once under ``memory_cap``: weights and optimizer state plus live activations.
     peak_bytes: float = field(default=0.0, init=False)
+    # Changed by emulated events: a throttled device (speed < 1), a device with less memory.
+    speed: float = field(default=1.0, init=False)
+    memory_bytes: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.memory_bytes = self.spec.memory_bytes
 
     def modelled_seconds(self, samples: int) -> float:
         """Wall time this step's compute is padded to: the GPU's modelled time × dilation."""
         return self.dilation * compute_seconds(
-            self.spec, self.precision, samples * self.flops_per_sample, self.efficiency
+            self.spec, self.precision, samples * self.flops_per_sample, self.efficiency * self.speed
         )
 
     def pad(self, started: float, samples: int) -> float:
@@ -88,7 +94,7 @@ class EmulatedDevice:
         """
         params = {p.untyped_storage()._cdata for p in model.parameters()}
         scale = activation_scale(self.precision)
-        cap = self.spec.memory_bytes
+        cap = self.memory_bytes
         live: dict[int, list[int]] = {}  # storage → [saved tensors using it, bytes]
         total = [0]
 
@@ -154,7 +160,7 @@ class PaddedModule(torch.nn.Module):
     def __init__(self, layers: torch.nn.Sequential, emu: EmulatedDevice, micro_batch: int):
         super().__init__()
         self.layers = layers
-        self.modelled = emu.modelled_seconds(micro_batch)
+        self.micro_batch = micro_batch
         self.emu = emu
         self.busy_s = 0.0
         self._backward_started = 0.0
@@ -163,7 +169,7 @@ class PaddedModule(torch.nn.Module):
         self._backward_started = time.perf_counter()
 
     def _end_backward(self) -> None:
-        modelled = self.modelled * (1 - FORWARD_SHARE)
+        modelled = self.emu.modelled_seconds(self.micro_batch) * (1 - FORWARD_SHARE)
         if not _sleep_until(self._backward_started + modelled):
             self.emu.overrun_steps += 1
         self.busy_s += modelled
@@ -176,7 +182,7 @@ class PaddedModule(torch.nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             x = _Mark.apply(x, self._end_backward)
         out = rest(x)
-        modelled = self.modelled * FORWARD_SHARE
+        modelled = self.emu.modelled_seconds(self.micro_batch) * FORWARD_SHARE
         if not _sleep_until(started + modelled):
             self.emu.overrun_steps += 1
         self.busy_s += modelled

@@ -111,6 +111,9 @@ class EmulatedCluster:
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={self.dashboard_port}",
             "--include-dashboard=true",
+            # Its own temp dir: Ray resolves "auto" (as job drivers do) through the temp dir's
+            # record of the current cluster, which clusters sharing /tmp/ray overwrite.
+            f"--temp-dir={self.workdir / 'r'}",
             "--labels=hetero-ray/role=head",
             # A lost emulated node is declared dead after ~3 s rather than Ray's default ~15 s,
             # so recovery tests and benchmarks do not spend their time waiting on heartbeats.

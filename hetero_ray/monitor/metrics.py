@@ -60,6 +60,7 @@ _DEFS = [
     ("loss", "gauge", "Training loss at the last report.", RUN_TAGS),
     ("steps", "counter", "Optimizer steps completed (steps re-done after a restart count again).", RUN_TAGS),
     ("restarts", "counter", "Times the worker group (re)started from a checkpoint.", RUN_TAGS),
+    ("rebalances", "counter", "Times the workers re-split the batch, by cause.", (*RUN_TAGS, "cause")),
     ("excluded_workers", "gauge", "Workers the plan gives no samples, by GPU type.", (*RUN_TAGS, "gpu_type")),
     # Per device, from health readings.
     ("gpu_utilisation", "gauge", "Fraction of time a kernel ran (NVML); emulated: busy / step time.", DEVICE_TAGS),
@@ -190,6 +191,11 @@ def health_records(reading: HealthReading, *, rank: int, gpu_type: str, run: str
 def restart_records(*, run: str, emulated: bool) -> list[Record]:
     """One restart: record it once, on rank 0, when a run resumes from a checkpoint."""
     return [_record("hetero_ray_restarts", 1, {"run": run, "emulated": _flag(emulated)})]
+
+
+def rebalance_records(cause: str, *, run: str, emulated: bool) -> list[Record]:
+    """One re-split of the batch (recorded on rank 0): ``imbalance``, ``out_of_memory`` or ``health``."""
+    return [_record("hetero_ray_rebalances", 1, {"run": run, "emulated": _flag(emulated), "cause": cause})]
 
 
 def decision_records(

@@ -8,7 +8,14 @@ from typing import Any
 
 from hetero_ray.cluster.emulated_device import EmulatedDevice
 from hetero_ray.monitor.health import HealthReading, NvmlSampler, emulated_reading
-from hetero_ray.monitor.metrics import RayMetrics, health_records, report_records, restart_records
+from hetero_ray.monitor.metrics import (
+    RayMetrics,
+    decision_records,
+    health_records,
+    rebalance_records,
+    report_records,
+    restart_records,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +44,21 @@ class WorkerMonitor:
         """Count a restart from a checkpoint (rank 0 only, so the run counts it once)."""
         if self.rank == 0:
             self.metrics.apply(restart_records(run=self.run, emulated=self.emu is not None))
+
+    def decided(self, change) -> None:
+        """A re-split the ranks agreed on: rank 0 logs and counts it; a rank whose health decided counts that."""
+        emulated = self.emu is not None
+        if change.mine is not None:
+            self.metrics.apply(
+                decision_records(
+                    change.mine, rank=self.rank, node=self.node, gpu_type=self.gpu_type, run=self.run, emulated=emulated
+                )
+            )
+        if self.rank != 0:
+            return
+        for cause, text in change.reasons:
+            logger.warning("hetero-ray re-split the batch (%s): %s", cause, text)
+            self.metrics.apply(rebalance_records(cause, run=self.run, emulated=emulated))
 
     def report(self, report: Mapping[str, Any]) -> None:
         """Publish the loop's report dict and a fresh health reading."""

@@ -93,23 +93,10 @@ def plan_data_parallel(
         shares = split_batch(global_batch, weights)
     except ValueError as exc:
         return Infeasible(str(exc))
-    roles, offset = [], 0
-    for i, share, t in zip(usable, shares, per_sample):
-        cap = min(fits[i], max_micro or fits[i], share)
-        micro = math.ceil(share / math.ceil(share / cap))
-        roles.append(
-            WorkerRole(
-                gpu_type=specs[i].name,
-                local_batch=share,
-                micro_batch=micro,
-                sample_offset=offset,
-                precision=precisions[i],
-                predicted_compute_s=share * t,
-                predicted_memory_bytes=footprint.memory_bytes(micro, activation_scale(precisions[i])),
-                memory_cap_bytes=specs[i].memory_bytes,
-            )
-        )
-        offset += share
+    caps = [min(fits[i], max_micro or fits[i]) for i in usable]
+    roles = data_parallel_roles(
+        [(specs[i].name, precisions[i], specs[i].memory_bytes) for i in usable], shares, per_sample, caps, footprint
+    )
     world = len(rank_types)
     numels = footprint.param_numels or (footprint.param_count,)
     comm_fp32 = allreduce_seconds(numels, world, *link) if link else 0.0
@@ -126,6 +113,36 @@ def plan_data_parallel(
         ),
     )
     return Plan(**{**plan.__dict__, "explanation": explain(plan)})
+
+
+def data_parallel_roles(
+    devices: Sequence[tuple[str, str, int]],
+    shares: Sequence[int],
+    seconds_per_sample: Sequence[float],
+    micro_caps: Sequence[int],
+    footprint: Footprint,
+) -> list[WorkerRole]:
+    """Roles for devices given as (GPU type, precision, memory bytes) with their shares, in order.
+
+    Each device runs its share in the fewest micro-batches of at most its cap, sized evenly.
+    """
+    roles, offset = [], 0
+    for (gpu_type, precision, memory), share, t, cap in zip(devices, shares, seconds_per_sample, micro_caps):
+        micro = math.ceil(share / math.ceil(share / min(cap, share)))
+        roles.append(
+            WorkerRole(
+                gpu_type=gpu_type,
+                local_batch=share,
+                micro_batch=micro,
+                sample_offset=offset,
+                precision=precision,
+                predicted_compute_s=share * t,
+                predicted_memory_bytes=footprint.memory_bytes(micro, activation_scale(precision)),
+                memory_cap_bytes=memory,
+            )
+        )
+        offset += share
+    return roles
 
 
 def _exclusions(specs, precisions, fits, footprint: Footprint) -> tuple[Exclusion, ...]:

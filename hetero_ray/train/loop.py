@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +26,23 @@ from torch.utils._pytree import tree_map
 from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.cluster.emulated_device import EmulatedDevice
 from hetero_ray.config import RunConfig
+from hetero_ray.monitor.health import HealthPolicy
 from hetero_ray.monitor.worker import WorkerMonitor
 from hetero_ray.perf.footprint import STATIC_BYTES_PER_PARAM, Footprint
-from hetero_ray.plan.cost import RECOMPUTE_FACTOR, link_seconds
-from hetero_ray.plan.plan import Plan, WorkerRole
+from hetero_ray.plan.cost import RECOMPUTE_FACTOR, link_seconds, max_micro_batch
+from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
 from hetero_ray.train.checkpoint import restore_dir, write_checkpoint
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.device import torch_device, worker_gpu_type
 from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group, sequence
 from hetero_ray.train.precision import autocast
 from hetero_ray.train.prepare import plan_for
+from hetero_ray.train.rebalance import Rebalancer, halve
 from hetero_ray.train.sync import Synced, make_sync
 from hetero_ray.workloads import build_workload
 
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.pt", "optimizer.pt", "state.json"
+GiB = 2**30
 
 
 @dataclass
@@ -133,18 +136,39 @@ def train_worker(payload: dict[str, Any]) -> None:
     progress = payload.get("progress")
     link = cfg.link
 
+    rebalancer = (
+        None
+        if plan.is_pipelined
+        else Rebalancer(
+            roles,
+            [max_micro_batch(catalog.get(t), r.precision, footprint) if r else 0 for t, r in zip(rank_types, roles)],
+            global_batch=cfg.train.global_batch,
+            footprint=footprint,
+            policy=HealthPolicy(),
+            every=cfg.train.rebalance_every,
+            threshold=cfg.train.rebalance_threshold,
+            damping=cfg.train.rebalance_damping,
+        )
+    )
+    events = _my_events(cfg, rank_types, rank) if emu else []
+    rebalances = 0
+
     window, started = Window(), time.monotonic()
     for step in range(start_step, cfg.train.steps):
+        for event in (e for e in events if e.step == step):
+            emu.speed = event.speed or emu.speed
+            emu.memory_bytes = int(event.memory_gib * GiB) if event.memory_gib else emu.memory_bytes
         t0 = time.perf_counter()
+        fitted = None
         if stage is not None:
             cap = emu.memory_cap(stage.module, stage.static_bytes(STATIC_BYTES_PER_PARAM)) if emu else None
             loss_sum, busy = stage.step(batches.indices(step), cap)
             busy = busy if emu else time.perf_counter() - t0
         else:
-            loss_sum = local_backward(
+            loss_sum, fitted = local_backward(
                 model, workload, batches.indices(step), role, cfg.train.global_batch, device, emu, footprint, sync
             )
-            busy = emu.pad(t0, role.local_batch) if emu else time.perf_counter() - t0
+            busy = emu.pad(t0, role.local_batch) if emu and role else time.perf_counter() - t0
         t1 = time.perf_counter()
         stop = rank == 0 and cfg.train.duration_s is not None and time.monotonic() - started > cfg.train.duration_s
         synced = sync.step(loss_sum, stop)
@@ -152,11 +176,20 @@ def train_worker(payload: dict[str, Any]) -> None:
             emu.pad_comm(t1, link_seconds(synced.bytes_sent, synced.messages, link.bandwidth_bytes_s, link.latency_s))
         loss = synced.loss_total / cfg.train.global_batch
         window.add(time.perf_counter() - t0, busy, time.perf_counter() - t1, synced)
+        # Measured compute in the planner's (undilated) seconds, comparable with its predictions.
+        modelled_busy = busy / (payload["dilation"] or 1.0) if emu else busy
+        change = rebalancer.step_done(step, rank, modelled_busy, fitted, monitor.last_reading) if rebalancer else None
+        if change is not None:
+            roles, role = change.roles, change.roles[rank]
+            plan = _rebalanced(plan, roles, rank_types, [text for _, text in change.reasons])
+            monitor.decided(change)
+            rebalances += 1
         last = step + 1 == cfg.train.steps or synced.stop
         if (step + 1) % cfg.train.report_every == 0 or (step + 1) % cfg.train.checkpoint_every == 0 or last:
             history.append((step, loss))
             save = (step + 1) % cfg.train.checkpoint_every == 0 or last
-            metrics = _metrics(step, loss, window, plan, rank_types, emu, start_step, history, started)
+            metrics = _metrics(step, loss, window, plan, roles, rank_types, emu, start_step, history, started)
+            metrics["rebalances"] = rebalances
             whole = _whole_state(model, workload, sync, roles, rank, plan) if save else None
             _report(metrics, whole, history, step, plan, save=save)
             monitor.report(metrics)
@@ -168,27 +201,71 @@ def train_worker(payload: dict[str, Any]) -> None:
     monitor.close()
 
 
-def local_backward(model, workload, indices, role: WorkerRole | None, global_batch, device, emu, footprint, sync):
-    """Accumulate this worker's share of the full-batch mean gradient; return its summed loss."""
+def local_backward(
+    model, workload, indices, role: WorkerRole | None, global_batch, device, emu, footprint, sync
+) -> tuple[float, int | None]:
+    """Accumulate this worker's share of the full-batch mean gradient; return its summed loss and, after an
+    out-of-memory, the micro-batch size that then fitted (else ``None``).
+
+    A micro-batch whose forward runs out of memory is retried in halves, so the step
+    keeps all its samples; nothing of the failed forward reached the gradients. An
+    out-of-memory in the backward would leave a partial gradient: it propagates.
+    """
     if role is None:
-        return 0.0
-    loss_sum = 0.0
-    for start, size in role.micro_batches():
+        return 0.0, None
+    loss_sum, fitted = 0.0, None
+    pending = role.micro_batches()
+    while pending:
+        start, size = pending.pop(0)
         batch = tree_map(lambda t: t.to(device), collate(workload.dataset, indices[start : start + size]))
-        cap = emu.memory_cap(model, footprint.static_bytes) if emu else nullcontext()
-        with cap, autocast(role.precision, device):
-            if role.activation_checkpointing:
-                layered = workload.layered
-                run = sequence(layered.layers(model), checkpointing=True)
-                loss = layered.output_loss(run(layered.inputs(batch)), layered.targets(batch))
-            else:
-                loss = workload.loss_fn(model, batch)
+        try:
+            with emu.memory_cap(model, footprint.static_bytes) if emu else nullcontext():
+                with autocast(role.precision, device):
+                    loss = _forward(model, workload, batch, role.activation_checkpointing)
+        except torch.OutOfMemoryError:
+            half = halve(size)
+            if not half:
+                raise
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            fitted = min(fitted or half, half)
+            pending[:0] = [(start, half), (start + half, size - half)]
+            continue
         sync.backward(loss * (size / global_batch * sync.loss_weight))
         loss_sum += loss.item() * size
-    return loss_sum
+    return loss_sum, fitted
 
 
-def _metrics(step, loss, window: Window, plan: Plan, rank_types, emu, start_step, history, started) -> dict:
+def _forward(model, workload, batch, checkpointing: bool) -> torch.Tensor:
+    if not checkpointing:
+        return workload.loss_fn(model, batch)
+    layered = workload.layered
+    run = sequence(layered.layers(model), checkpointing=True)
+    return layered.output_loss(run(layered.inputs(batch)), layered.targets(batch))
+
+
+def _my_events(cfg: RunConfig, rank_types: list[str], rank: int) -> list:
+    """The emulated events of this worker: the k-th worker of its type is ``index`` k."""
+    index = [r for r, t in enumerate(rank_types) if t == rank_types[rank]].index(rank)
+    return [e for e in cfg.emulation.events if e.gpu_type == rank_types[rank] and e.index == index]
+
+
+def _rebalanced(plan: Plan, roles, rank_types, reasons: list[str]) -> Plan:
+    """The plan the workers now follow, for reports and checkpoints."""
+    dropped: dict[str, int] = {}
+    for t, r in zip(rank_types, roles):
+        if r is None:
+            dropped[t] = dropped.get(t, 0) + 1
+    return replace(
+        plan,
+        roles=tuple(r for r in roles if r is not None),
+        predicted_compute_s=max(r.predicted_compute_s for r in roles if r is not None),
+        excluded=tuple(Exclusion(gpu_type=t, count=n, reason="; ".join(reasons)) for t, n in dropped.items()),
+        explanation=f"re-split during the run ({'; '.join(reasons)}); was: {plan.explanation}",
+    )
+
+
+def _metrics(step, loss, window: Window, plan: Plan, roles, rank_types, emu, start_step, history, started) -> dict:
     """Per-device figures gathered on every rank (one small collective per report)."""
     mine = {
         **window.summary(),
@@ -197,7 +274,6 @@ def _metrics(step, loss, window: Window, plan: Plan, rank_types, emu, start_step
     }
     everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine)
-    roles = plan.roles_for(rank_types)
     devices = []
     for rank, (gpu_type, r, m) in enumerate(zip(rank_types, roles, everyone)):
         devices.append(
