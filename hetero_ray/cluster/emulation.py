@@ -121,6 +121,9 @@ class EmulatedCluster:
             log="head",
         )
         self._wait_for_port(self.port, timeout_s)
+        # A joining node asks the GCS for the head's node record, and gives up after ~20 s: on a
+        # loaded machine the head's raylet registers later than its GCS port opens.
+        self._wait_for_nodes(1, timeout_s)
         # One raylet at a time: started together on two cores, some miss Ray's
         # fixed 30 s registration deadline.
         for gpu_type, count in node_layout(self.devices, self.gpus_per_node):
