@@ -193,6 +193,11 @@ class RunConfig(_Strict):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     run: RunStorage = Field(default_factory=RunStorage)
     gpus_file: str | None = Field(None, description="YAML of extra GPU types (same schema as the catalog).")
+    profile_history: str | None = Field(
+        None,
+        description="Parquet history from `hetero-ray profile`: the planner then prices each type with the "
+        "performance model fitted to it instead of catalog peak × efficiency.",
+    )
 
     @field_validator("devices")
     @classmethod

@@ -281,3 +281,30 @@ def test_profile_on_the_thread_clock_feeds_the_model():
     for m in rows:
         assert math.isclose(model.step_seconds(CPU, m.micro_batch, "fp32"), m.step_s, rel_tol=0.5)
         assert model.peak_memory_bytes(CPU, m.micro_batch, "fp32") == pytest.approx(m.peak_memory_bytes, rel=0.05)
+
+
+def test_planner_prices_types_with_the_profiled_model(tmp_path):
+    """With a profile history in the config, the plan splits by the measured speeds, not the catalog's."""
+    from hetero_ray.config import parse_config
+    from hetero_ray.train.prepare import prepare
+
+    options = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "corpus_bytes": 20_000}
+    same = StepCurve(overhead_s=0.0, per_sample_s=0.01, exponent=1.0)
+    rows = history.to_frame(
+        measurement(gpu_type=t, precision="fp32", micro_batch=b, step_s=same(b), workload_hash=options_hash(options))
+        for t in ("A100-80GB", "V100-16GB")
+        for b in BATCHES
+    )
+    history.append(tmp_path / "h.parquet", rows)
+    base = {
+        "devices": {"A100-80GB": 1, "V100-16GB": 1},
+        "workload": {"name": "gpt", "options": options},
+        "train": {"global_batch": 40, "precision": "fp32"},
+    }
+    catalog_split = [r.local_batch for r in prepare(parse_config(base)).plan.roles]
+    profiled = [
+        r.local_batch
+        for r in prepare(parse_config({**base, "profile_history": str(tmp_path / "h.parquet")})).plan.roles
+    ]
+    assert catalog_split[0] > catalog_split[1]  # the catalog: A100 fp32 19.5 vs V100 15.7 TFLOP/s
+    assert profiled == [20, 20]  # measured: the same speed

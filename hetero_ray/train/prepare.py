@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -15,6 +16,9 @@ import torch
 from hetero_ray.cluster.catalog import Catalog, load_catalog
 from hetero_ray.config import ONEBIT_OPTIMIZERS, ConfigError, RunConfig
 from hetero_ray.perf.footprint import Footprint, cpu_seconds_per_sample, measure_footprint
+from hetero_ray.perf.history import load as load_history
+from hetero_ray.perf.history import options_hash
+from hetero_ray.perf.model import fit_perf_model
 from hetero_ray.plan import search
 from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
@@ -76,6 +80,28 @@ def topology_for(cfg: RunConfig, catalog: Catalog, types: list[str]) -> Topology
     )
 
 
+def profiled_speeds(cfg: RunConfig, catalog: Catalog) -> Callable[[str, str], float] | None:
+    """Seconds per sample by (type, precision) from the performance model fitted to ``profile_history``.
+
+    Priced at an even share of the global batch per worker, the micro-batch a data-parallel
+    worker would run; ``None`` without a history.
+    """
+    if cfg.profile_history is None:
+        return None
+    try:
+        model = fit_perf_model(
+            load_history(cfg.profile_history),
+            cfg.workload.name,
+            workload_hash=options_hash(cfg.workload.options),
+            emulated=cfg.emulation is not None,
+            catalog=catalog,
+        )
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"profile_history: {cfg.profile_history}: {exc}") from None
+    micro = max(1, cfg.train.global_batch // cfg.num_workers)
+    return lambda gpu_type, precision: model.step_seconds(gpu_type, micro, precision) / micro
+
+
 def plan_for(
     cfg: RunConfig, types: list[str], catalog: Catalog, footprint: Footprint, efficiency: float, *, emulated: bool
 ) -> Plan:
@@ -97,6 +123,7 @@ def plan_for(
             precision=cfg.train.precision,
             efficiency=efficiency,
             emulated=emulated,
+            seconds_per_sample=profiled_speeds(cfg, catalog),
             top_k=1,
             **({"max_stages": 1} if cfg.optimizer.name in ONEBIT_OPTIMIZERS else {}),
         )
