@@ -176,14 +176,6 @@ def train_worker(payload: dict[str, Any]) -> None:
             emu.pad_comm(t1, link_seconds(synced.bytes_sent, synced.messages, link.bandwidth_bytes_s, link.latency_s))
         loss = synced.loss_total / cfg.train.global_batch
         window.add(time.perf_counter() - t0, busy, time.perf_counter() - t1, synced)
-        # Measured compute in the planner's (undilated) seconds, comparable with its predictions.
-        modelled_busy = busy / (payload["dilation"] or 1.0) if emu else busy
-        change = rebalancer.step_done(step, rank, modelled_busy, fitted, monitor.last_reading) if rebalancer else None
-        if change is not None:
-            roles, role = change.roles, change.roles[rank]
-            plan = _rebalanced(plan, roles, rank_types, [text for _, text in change.reasons])
-            monitor.decided(change)
-            rebalances += 1
         last = step + 1 == cfg.train.steps or synced.stop
         if (step + 1) % cfg.train.report_every == 0 or (step + 1) % cfg.train.checkpoint_every == 0 or last:
             history.append((step, loss))
@@ -196,6 +188,15 @@ def train_worker(payload: dict[str, Any]) -> None:
             if rank == 0 and progress is not None:
                 progress.put_nowait(metrics)
             window = Window()
+        # Re-split after the report, whose window ran on the split before; compute is measured in
+        # the planner's (undilated) seconds, comparable with its predictions.
+        modelled_busy = busy / (payload["dilation"] or 1.0) if emu else busy
+        change = rebalancer.step_done(step, rank, modelled_busy, fitted, monitor.last_reading) if rebalancer else None
+        if change is not None:
+            roles, role = change.roles, change.roles[rank]
+            plan = _rebalanced(plan, roles, rank_types, [text for _, text in change.reasons])
+            monitor.decided(change)
+            rebalances += 1
         if synced.stop:
             break
     monitor.close()
