@@ -246,6 +246,13 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     )
 
 
+def cmd_tune(args: argparse.Namespace, console: Console) -> int:
+    """Sweep batch-size shares per GPU type with Ray Tune on the connected cluster; write CSV, PNG and best config."""
+    from tuning.sweep import command
+
+    return command(args, console)
+
+
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt", help="workload: a built-in name (gpt) or module:function")
     p.add_argument("--model-options", help="JSON object of the workload factory's keyword arguments")
@@ -311,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--output", help="also write the result JSON to this file")
     _add_plan_arguments(simulate)
     simulate.set_defaults(func=cmd_simulate)
+
+    from tuning.sweep import add_arguments as add_tune_arguments
+
+    tune = sub.add_parser("tune", help="sweep batch-size shares per GPU type with Ray Tune, from the prediction")
+    add_tune_arguments(tune)
+    tune.set_defaults(func=cmd_tune)
     return parser
 
 

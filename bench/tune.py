@@ -1,0 +1,158 @@
+"""The share sweep against a fine grid on the emulated 2 × A100-80GB + 4 × V100-16GB cluster, measured in one run.
+
+Prints one JSON object (all figures emulated, and labelled so) and writes it to
+docs/measurements/tune-emulated.json:
+- best_over_grid_best: the sweep's best measured samples/s ÷ the best of a fine grid over the
+  A100 : V100 weight ratio (target ≥ 0.98);
+- trials_over_grid_trials: the sweep's trials ÷ the grid's (target ≤ 0.40).
+
+Every trial, grid or sweep, is the same short run of ``run_training`` on all six workers
+(samples/s of its last window), under one dilation calibrated once and scaled by
+--dilation-factor so steps are padding-bound. The grid spans the sweep's own space
+(×/÷ --spread around the planner's ratio), evenly in log.
+Usage: python bench/tune.py [--grid-points 13] [--trials 5] [--steps 12] [--windows 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+
+from hetero_ray.cluster.emulation import EmulatedCluster
+from hetero_ray.config import parse_config
+
+DEVICES = {"A100-80GB": 2, "V100-16GB": 4}
+WORKLOAD = {"name": "gpt", "options": {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64}}
+OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "measurements" / "tune-emulated.json"
+
+
+def started_cluster(console: Console, attempts: int = 3) -> EmulatedCluster:
+    """The emulated cluster, started; on a loaded shared host a raylet can miss Ray's registration deadline,
+    so a failed start is retried (fresh ports, fresh processes) up to ``attempts`` times."""
+    for attempt in range(attempts):
+        cluster = EmulatedCluster(DEVICES)
+        try:
+            return cluster.start()
+        except (RuntimeError, TimeoutError) as exc:
+            cluster.stop()
+            if attempt + 1 == attempts:
+                raise
+            console.print(f"the emulated cluster did not start ({exc}); retrying")
+    raise ValueError(f"attempts: {attempts}; use at least 1")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid-points", type=int, default=13)
+    parser.add_argument("--trials", type=int, default=5, help="sweep trials (the prediction first)")
+    parser.add_argument("--steps", type=int, default=12, help="steps per trial")
+    parser.add_argument("--windows", type=int, default=2, help="reports per trial (the last one is measured)")
+    parser.add_argument("--global-batch", type=int, default=144)
+    parser.add_argument("--spread", type=float, default=2.0, help="search and grid within ×/÷ this of the prediction")
+    parser.add_argument("--dilation-factor", type=float, default=1.5, help="× the calibrated dilation")
+    parser.add_argument("--output-dir", default="/tmp/hetero-ray-bench-tune", help="sweep CSV, PNG, best config")
+    parser.add_argument("--json", default=str(OUTPUT), help="where to write the JSON")
+    args = parser.parse_args()
+
+    from tuning.results import best_trial, trials_frame
+    from tuning.space import WEIGHT_PREFIX, share_space
+    from tuning.sweep import SweepSettings, predicted_speeds, run_sweep, run_trials, trial_base
+
+    started = time.monotonic()
+    out = Path(args.output_dir) / time.strftime("%Y%m%d-%H%M%S")
+    raw = {
+        "devices": DEVICES,
+        "emulation": {"dilation": "auto", "gpus_per_node": 2},
+        "workload": WORKLOAD,
+        "train": {"global_batch": args.global_batch, "steps": 100},
+        "run": {"name": "bench-tune", "storage_path": str(out / "runs")},
+    }
+    settings = SweepSettings(
+        trials=args.trials, steps=args.steps, windows=args.windows, spread=args.spread, output_dir=out
+    )
+    speeds, calibrated = predicted_speeds(parse_config(raw), settings)
+    dilation = calibrated * args.dilation_factor
+    raw["emulation"]["dilation"] = dilation  # one dilation for every trial, grid and sweep
+    cfg = parse_config(raw)
+    space = share_space(cfg, speeds, spread=args.spread)
+    searched = next(iter(space.bounds))
+    console = Console(stderr=True)
+
+    cluster = started_cluster(console)
+    os.environ.update(cluster.env)  # before `import ray`: Ray reads its auth mode at import
+    import ray
+    from ray import tune
+
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            sweep = run_sweep(cfg, raw, settings, console)
+            grid_points = space.grid(searched, args.grid_points)
+            base = trial_base(cfg, settings)
+            grid_results = run_trials(
+                base,
+                space,
+                settings,
+                dilation,
+                param_space={f"{WEIGHT_PREFIX}{searched}": tune.grid_search(grid_points)},
+                search=False,
+                console=console,
+                name=f"{base.run.name}-grid",
+            )
+        finally:
+            ray.shutdown()
+    finally:
+        cluster.stop()
+    grid = trials_frame(grid_results, space, settings.windows)
+    grid.to_csv(out / "grid.csv", index=False)
+    grid_best, sweep_best = best_trial(grid), sweep.best
+    shares = [f"share:{t}" for t in DEVICES]
+
+    def rows(frame):
+        cols = [f"{WEIGHT_PREFIX}{searched}", *shares, "samples_per_s", "windows", "complete", "overrun_steps"]
+        return frame[cols].rename(columns={f"{WEIGHT_PREFIX}{searched}": "weight_ratio"}).to_dict("records")
+
+    result = {
+        "emulated": True,
+        "cluster": DEVICES,
+        "workload": f"gpt 2 layers x 64, block 64, global batch {args.global_batch}",
+        "dilation": dilation,
+        "steps_per_trial": args.steps,
+        "windows_per_trial": args.windows,
+        "searched": f"weight {searched} : {space.reference}",
+        "predicted_weight_ratio": space.predicted[searched],
+        "space": list(space.bounds[searched]),
+        "grid_trials": len(grid),
+        "sweep_trials": len(sweep.trials),
+        "sweep_trials_stopped_early": int((~sweep.trials["complete"]).sum()),
+        "grid_best_samples_per_s": float(grid_best["samples_per_s"]),
+        "sweep_best_samples_per_s": float(sweep_best["samples_per_s"]),
+        "grid_best_shares": {s.removeprefix("share:"): int(grid_best[s]) for s in shares},
+        "sweep_best_shares": {s.removeprefix("share:"): int(sweep_best[s]) for s in shares},
+        "grid_best_weight_ratio": float(grid_best[f"{WEIGHT_PREFIX}{searched}"]),
+        "sweep_best_weight_ratio": float(sweep_best[f"{WEIGHT_PREFIX}{searched}"]),
+        "best_over_grid_best": float(sweep_best["samples_per_s"] / grid_best["samples_per_s"]),
+        "trials_over_grid_trials": len(sweep.trials) / len(grid),
+        "grid": rows(grid),
+        "sweep": rows(sweep.trials),
+        "sweep_files": {"csv": str(sweep.csv), "plot": str(sweep.plot), "best_config": str(sweep.best_config)},
+        "best_config": yaml.safe_load(sweep.best_config.read_text())["train"]["split"],
+        "load_average_1m_at_end": os.getloadavg()[0],
+        "seconds": time.monotonic() - started,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

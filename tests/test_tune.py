@@ -1,0 +1,204 @@
+"""The share sweep: its search space, result files and best config (fast), and one small sweep on an emulated cluster.
+
+The end-to-end test starts one emulated Ray cluster for the module (1 × A100-80GB +
+1 × V100-16GB) and runs two short trials through Tune, Optuna and ASHA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import pandas as pd
+import pytest
+import yaml
+from rich.console import Console
+
+from hetero_ray.cluster.catalog import load_catalog
+from hetero_ray.config import load_config, parse_config
+from hetero_ray.perf.footprint import measure_footprint
+from hetero_ray.plan.data_parallel import plan_data_parallel
+from hetero_ray.workloads import build_workload
+from tuning.results import best_trial, trials_frame, write_best_config, write_csv, write_plot
+from tuning.space import SweepError, plan_speeds, share_space, weights_of
+from tuning.sweep import SweepSettings, add_arguments, command, settings_from
+from tuning.trial import trial_config
+
+WORKLOAD = {
+    "name": "gpt",
+    "options": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "corpus_bytes": 200_000},
+}
+
+
+def config(devices=None, **train) -> dict:
+    return {
+        "devices": devices or {"A100-80GB": 1, "V100-16GB": 1},
+        "emulation": {"dilation": "auto", "gpus_per_node": 2},
+        "workload": WORKLOAD,
+        "train": {"global_batch": 24, "steps": 100, "precision": "auto", **train},
+        "run": {"name": "tune-test", "storage_path": "/tmp/hetero-ray-tune-test"},
+    }
+
+
+def test_space_centres_on_the_planners_speeds():
+    cfg = parse_config(config({"V100-16GB": 2, "A100-80GB": 1, "T4": 1}))
+    fp = measure_footprint(lambda: build_workload(cfg.workload.name, cfg.workload.options))
+    plan = plan_data_parallel(
+        ["V100-16GB", "V100-16GB", "A100-80GB", "T4"], load_catalog(), fp, global_batch=24, split="equal"
+    )
+    speeds = plan_speeds(plan)
+    space = share_space(cfg, speeds, spread=2.0)
+    # The slowest type is the reference, at weight 1; the others at their speed ratio, bounded ×/÷ spread.
+    assert space.reference == "T4"
+    assert space.predicted["A100-80GB"] == pytest.approx(speeds["A100-80GB"] / speeds["T4"])
+    lo, hi = space.bounds["V100-16GB"]
+    assert lo * 2 == pytest.approx(space.predicted["V100-16GB"]) == pytest.approx(hi / 2)
+    assert set(space.tune_space()) == {"weight:A100-80GB", "weight:V100-16GB"}
+    assert weights_of(space.first_point(), space.reference) == pytest.approx(space.predicted)
+    # bf16 A100 : fp16 V100 is the catalog's 312 : 125 TFLOP/s.
+    assert space.predicted["A100-80GB"] / space.predicted["V100-16GB"] == pytest.approx(312 / 125)
+    grid = space.grid("A100-80GB", 5)
+    assert grid[0] == pytest.approx(space.bounds["A100-80GB"][0]) and grid[-1] == pytest.approx(
+        space.bounds["A100-80GB"][1]
+    )
+    assert grid[2] == pytest.approx(space.predicted["A100-80GB"])
+
+
+@pytest.mark.parametrize(
+    ("devices", "spread", "caps", "match"),
+    [
+        ({"A100-80GB": 2}, 3.0, (), "at least two types"),
+        (None, 1.0, (), "factor > 1"),
+        (None, 3.0, (0, 8), "must be >= 1"),
+    ],
+)
+def test_space_rejects_bad_input(devices, spread, caps, match):
+    cfg = parse_config(config(devices))
+    with pytest.raises(SweepError, match=match):
+        share_space(cfg, dict.fromkeys(cfg.devices, 1.0), spread=spread, micro_batch_caps=caps)
+
+
+def test_micro_batch_caps_are_searched_and_reach_the_trial():
+    cfg = parse_config(config())
+    space = share_space(cfg, {"A100-80GB": 2.0, "V100-16GB": 1.0}, micro_batch_caps=(16, 4))
+    assert space.tune_space()["max_micro_batch"].categories == [4, 16]
+    trial = trial_config(cfg, {"weight:A100-80GB": 3.0, "max_micro_batch": 4}, space.reference, 1234.0)
+    assert trial.train.split == {"V100-16GB": 1.0, "A100-80GB": 3.0}
+    assert trial.train.max_micro_batch == 4 and trial.emulation.dilation == 1234.0
+    assert trial.run.name != cfg.run.name
+
+
+def _results(space) -> list[dict]:
+    def metrics(window, rate, a100):
+        return {
+            "samples_per_s": rate,
+            "step_s": 24 / rate,
+            "window": window,
+            "emulated": True,
+            "share:A100-80GB": a100,
+            "share:V100-16GB": 24 - a100,
+        }
+
+    return [
+        {"config": {"weight:A100-80GB": 2.5}, "metrics": metrics(3, 40.0, 17)},
+        {"config": {"weight:A100-80GB": 1.1}, "metrics": metrics(1, 20.0, 13)},  # stopped by ASHA
+        {"config": {"weight:A100-80GB": 4.0}, "metrics": metrics(3, 30.0, 19)},
+    ]
+
+
+def test_results_table_plot_and_best_config(tmp_path):
+    base = config(split="proportional")
+    cfg = parse_config(base)
+    space = share_space(cfg, {"A100-80GB": 2.5, "V100-16GB": 1.0})
+    trials = trials_frame(_results(space), space, max_windows=3)
+    assert list(trials["complete"]) == [True, False, True]
+    best = best_trial(trials)
+    assert best["samples_per_s"] == 40.0 and best["weight:A100-80GB"] == 2.5
+    write_csv(trials, tmp_path / "t.csv")
+    assert pd.read_csv(tmp_path / "t.csv")["samples_per_s"].tolist() == [40.0, 20.0, 30.0]
+    write_plot(trials, space, tmp_path / "t.png", emulated=True)
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    write_best_config(base, best, space, tmp_path / "best.yaml")
+    loaded = load_config(tmp_path / "best.yaml")
+    assert loaded.train.split == {"A100-80GB": 2.5, "V100-16GB": 1.0}
+    # The user's run stays as written: only the split changes.
+    assert loaded.train.steps == 100 and loaded.emulation.dilation == "auto"
+
+
+def test_no_complete_trial_is_an_error():
+    cfg = parse_config(config())
+    space = share_space(cfg, {"A100-80GB": 2.5, "V100-16GB": 1.0})
+    trials = trials_frame(_results(space)[1:2], space, max_windows=3)
+    with pytest.raises(SweepError, match="no trial ran"):
+        best_trial(trials)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--trials", "0"], "--trials: 0"),
+        (["--steps", "10", "--windows", "3"], "multiple of windows"),
+        (["--micro-batch-caps", "8,x"], "--micro-batch-caps"),
+        (["--history", "/nonexistent.parquet"], "--history"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys, argv, match):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config()))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--config", str(path), *argv])
+    assert command(args, Console(quiet=True)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and match in err, err
+    with pytest.raises(SweepError):
+        settings_from(args)
+
+
+def test_one_type_config_is_refused_before_any_cluster(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config({"A100-80GB": 2})))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert command(parser.parse_args(["--config", str(path), "--address", "127.0.0.1:1"]), Console(quiet=True)) == 2
+    assert "at least two types" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from hetero_ray.cluster.emulation import EmulatedCluster
+
+    with EmulatedCluster({"A100-80GB": 1, "V100-16GB": 1}, gpus_per_node=2) as c:
+        yield c
+
+
+def test_small_sweep_end_to_end(cluster, tmp_path):
+    """Two trials on the live emulated cluster: real measurements, distinct per share, and the files written."""
+    os.environ.update(cluster.env)  # before `import ray`: Ray reads its auth mode at import
+    import ray
+
+    from tuning.sweep import run_sweep
+
+    base = config(global_batch=24)
+    settings = SweepSettings(trials=2, steps=6, windows=2, random_trials=1, output_dir=tmp_path / "out")
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        sweep = run_sweep(parse_config(base), base, settings, Console(quiet=True))
+    finally:
+        ray.shutdown()
+    trials = sweep.trials
+    assert len(trials) == 2 and trials["error"].isna().all(), trials.to_dict("records")
+    assert trials["emulated"].all() and (trials["samples_per_s"] > 0).all()
+    # The first trial is the prediction: the planner's A100 : V100 speed ratio.
+    assert trials["weight:A100-80GB"].iloc[0] == pytest.approx(sweep.space.predicted["A100-80GB"])
+    shares = trials["share:A100-80GB"]
+    by_share = trials.groupby(shares)["samples_per_s"].mean()
+    assert len(by_share) >= 2 and by_share.nunique() == len(by_share), trials.to_dict("records")
+    assert not math.isnan(sweep.best["samples_per_s"]) and sweep.best["complete"]
+    csv = pd.read_csv(sweep.csv)
+    assert len(csv) == 2 and (csv["samples_per_s"] > 0).all()
+    assert sweep.plot.read_bytes()[:4] == b"\x89PNG"
+    best = load_config(sweep.best_config)
+    assert best.train.split["A100-80GB"] == pytest.approx(sweep.best["weight:A100-80GB"], rel=1e-3)
+    assert best.train.steps == 100

@@ -1,0 +1,101 @@
+"""The search space of a share sweep: one weight per GPU type, relative to the slowest type, around the prediction.
+
+A run's split ``{gpu_type: weight}`` is scale-free (``split_batch`` water-fills by
+weight), so the slowest predicted type is held at weight 1 and every other type's
+weight is searched log-uniformly within ``spread``× of its predicted ratio: the
+prediction sits in the middle of the space, and the first trial evaluates it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from hetero_ray.config import RunConfig
+from hetero_ray.perf.model import PerfModel
+from hetero_ray.plan.plan import Plan
+
+WEIGHT_PREFIX = "weight:"
+MICRO_BATCH_KEY = "max_micro_batch"
+
+
+class SweepError(ValueError):
+    """Bad sweep input: one line saying what, where and what would be valid."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShareSpace:
+    """Weights per GPU type: ``reference`` is fixed at 1, each type of ``bounds`` searched in (low, high)."""
+
+    reference: str
+    predicted: Mapping[str, float]
+    bounds: Mapping[str, tuple[float, float]]
+    micro_batch_caps: tuple[int, ...] = ()
+
+    def tune_space(self) -> dict:
+        """The Tune ``param_space``: a log-uniform weight per searched type (and a micro-batch cap choice)."""
+        from ray import tune
+
+        space: dict = {f"{WEIGHT_PREFIX}{t}": tune.loguniform(lo, hi) for t, (lo, hi) in self.bounds.items()}
+        if self.micro_batch_caps:
+            space[MICRO_BATCH_KEY] = tune.choice(list(self.micro_batch_caps))
+        return space
+
+    def first_point(self) -> dict:
+        """The prediction as a Tune config (Optuna's ``points_to_evaluate``); the largest cap when caps are searched."""
+        point: dict = {f"{WEIGHT_PREFIX}{t}": self.predicted[t] for t in self.bounds}
+        if self.micro_batch_caps:
+            point[MICRO_BATCH_KEY] = max(self.micro_batch_caps)
+        return point
+
+    def grid(self, gpu_type: str, points: int) -> list[float]:
+        """``points`` weights of ``gpu_type`` spaced evenly in log over its bounds (a bench's fine grid)."""
+        if points < 2:
+            raise SweepError(f"grid points: {points}; use at least 2")
+        lo, hi = self.bounds[gpu_type]
+        return [math.exp(math.log(lo) + i * (math.log(hi) - math.log(lo)) / (points - 1)) for i in range(points)]
+
+
+def weights_of(params: Mapping[str, object], reference: str) -> dict[str, float]:
+    """The split ``{gpu_type: weight}`` a Tune config stands for (the reference type at 1)."""
+    weights = {reference: 1.0}
+    weights.update({k.removeprefix(WEIGHT_PREFIX): float(v) for k, v in params.items() if k.startswith(WEIGHT_PREFIX)})
+    return weights
+
+
+def plan_speeds(plan: Plan) -> dict[str, float]:
+    """Samples/s per GPU type the planner assumed: local batch ÷ predicted compute time of its roles."""
+    return {r.gpu_type: r.local_batch / r.predicted_compute_s for r in plan.roles if r.predicted_compute_s > 0}
+
+
+def model_speeds(model: PerfModel, plan: Plan) -> dict[str, float]:
+    """Samples/s per GPU type from a fitted performance model, at each type's planned micro-batch and precision."""
+    return {r.gpu_type: model.samples_per_second(r.gpu_type, r.micro_batch, r.precision) for r in plan.roles}
+
+
+def share_space(
+    cfg: RunConfig, speeds: Mapping[str, float], *, spread: float = 3.0, micro_batch_caps: Sequence[int] = ()
+) -> ShareSpace:
+    """The space around ``speeds`` (predicted samples/s per type) for the devices of ``cfg``."""
+    if spread <= 1:
+        raise SweepError(f"spread: {spread:g}; use a factor > 1 (3 searches from a third to three times the ratio)")
+    if len(cfg.devices) < 2:
+        raise SweepError(
+            f"devices: {dict(cfg.devices)} has one GPU type; a share sweep needs at least two types to weigh"
+        )
+    missing = sorted(set(cfg.devices) - set(speeds))
+    if missing:
+        raise SweepError(f"devices: no predicted speed for {missing} (excluded by the plan?); sweep the usable types")
+    bad_caps = [c for c in micro_batch_caps if c < 1]
+    if bad_caps:
+        raise SweepError(f"micro-batch caps: {bad_caps} must be >= 1")
+    reference = min(cfg.devices, key=lambda t: speeds[t])
+    predicted = {t: speeds[t] / speeds[reference] for t in cfg.devices}
+    bounds = {t: (w / spread, w * spread) for t, w in predicted.items() if t != reference}
+    return ShareSpace(
+        reference=reference,
+        predicted=predicted,
+        bounds=bounds,
+        micro_batch_caps=tuple(sorted(set(micro_batch_caps))),
+    )

@@ -1,0 +1,303 @@
+"""The share sweep: Optuna TPE from the prediction, ASHA early stopping, one trial at a time on the live cluster.
+
+``hetero-ray tune --config run.yaml`` (or ``python -m tuning.sweep``) connects to the
+cluster (``RAY_ADDRESS``), runs ``--trials`` short trainings on all the workers, and
+writes ``trials.csv``, ``throughput.png`` and ``best.yaml`` (a config
+``jobs/train.py --config`` accepts) under ``--output-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+from rich.console import Console
+
+from hetero_ray.config import ConfigError, RunConfig, load_config
+from tuning.results import best_trial, trials_frame, write_best_config, write_csv, write_plot
+from tuning.space import ShareSpace, SweepError, model_speeds, plan_speeds, share_space
+from tuning.trial import METRIC, run_trial, trial_resources
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepSettings:
+    """How much to search: trials, each trial's length and metric windows, the space's width, early stopping."""
+
+    trials: int = 8
+    steps: int = 12
+    windows: int = 3
+    grace_windows: int = 1
+    spread: float = 3.0
+    random_trials: int = 2
+    seed: int = 0
+    micro_batch_caps: tuple[int, ...] = ()
+    history: str | None = None
+    output_dir: Path = field(default_factory=lambda: Path("tune-out"))
+
+    def __post_init__(self) -> None:
+        if self.trials < 1:
+            raise SweepError(f"--trials: {self.trials}; use at least 1 (the first evaluates the prediction)")
+        if self.windows < 1 or self.steps < self.windows or self.steps % self.windows:
+            raise SweepError(
+                f"--steps {self.steps} / --windows {self.windows}: steps must be a positive multiple of windows "
+                "(each window reports samples/s to Tune)"
+            )
+        if not 1 <= self.grace_windows <= self.windows:
+            raise SweepError(f"--grace-windows: {self.grace_windows}; use 1..{self.windows}")
+        if self.random_trials < 0:
+            raise SweepError(f"--random-trials: {self.random_trials}; use 0 or more")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sweep:
+    """A finished sweep: every trial, the space it searched, the best complete trial and where the files are."""
+
+    trials: pd.DataFrame
+    space: ShareSpace
+    best: pd.Series
+    dilation: float | None
+    csv: Path
+    plot: Path
+    best_config: Path
+    seconds: float
+
+
+def trial_base(cfg: RunConfig, settings: SweepSettings) -> RunConfig:
+    """``cfg`` cut to a trial: ``settings.steps`` steps reported in ``settings.windows`` windows, one checkpoint
+    at the end, no restarts (a failed trial is a result), runs stored under the output directory."""
+    train = cfg.train.model_copy(
+        update={
+            "steps": settings.steps,
+            "report_every": settings.steps // settings.windows,
+            "checkpoint_every": settings.steps,
+            "duration_s": None,
+            "max_failures": 0,
+            "min_workers": None,
+        }
+    )
+    run = cfg.run.model_copy(
+        update={"name": f"tune-{time.strftime('%Y%m%d-%H%M%S')}", "storage_path": str(settings.output_dir / "runs")}
+    )
+    return cfg.model_copy(update={"train": train, "run": run})
+
+
+def predicted_speeds(cfg: RunConfig, settings: SweepSettings) -> tuple[dict[str, float], float | None]:
+    """Samples/s per GPU type the sweep starts from (the planner's, or the performance model's with a history),
+    and the emulation's dilation, calibrated once so that every trial runs under the same one."""
+    from hetero_ray.train.prepare import prepare
+
+    # An explicit equal split keeps the plan data-parallel; its per-type speeds do not depend on the split.
+    prepared = prepare(cfg.model_copy(update={"train": cfg.train.model_copy(update={"split": "equal"})}))
+    if settings.history is None:
+        return plan_speeds(prepared.plan), prepared.dilation
+    from hetero_ray.perf import history
+    from hetero_ray.perf.model import fit_perf_model
+
+    model = fit_perf_model(history.load(settings.history), cfg.workload.name, emulated=cfg.emulation is not None)
+    return model_speeds(model, prepared.plan), prepared.dilation
+
+
+def run_trials(
+    base: RunConfig,
+    space: ShareSpace,
+    settings: SweepSettings,
+    dilation: float | None,
+    *,
+    param_space: Mapping[str, Any],
+    search: bool,
+    console: Console,
+    name: str,
+) -> list[dict[str, Any]]:
+    """Run trials of ``base`` one at a time; ``search``: Optuna TPE from the prediction with ASHA, else every
+    point of ``param_space`` (a grid) to the end. Returns each trial's ``{"config", "metrics", "error"}``."""
+    import optuna
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search.optuna import OptunaSearch
+
+    from tuning.progress import RichProgress
+
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, base=base.model_dump(), reference=space.reference, dilation=dilation),
+        trial_resources(base.emulation is not None),
+    )
+    if search:
+        tune_config = tune.TuneConfig(
+            metric=METRIC,
+            mode="max",
+            num_samples=settings.trials,
+            max_concurrent_trials=1,
+            search_alg=OptunaSearch(
+                points_to_evaluate=[space.first_point()],
+                # The enqueued prediction counts as one of TPE's start-up trials.
+                sampler=optuna.samplers.TPESampler(n_startup_trials=1 + settings.random_trials, seed=settings.seed),
+            ),
+            scheduler=ASHAScheduler(
+                time_attr="training_iteration",
+                max_t=settings.windows,
+                grace_period=settings.grace_windows,
+                reduction_factor=2,
+            ),
+        )
+        total = settings.trials
+    else:
+        tune_config = tune.TuneConfig(max_concurrent_trials=1)
+        total = 1
+        for v in param_space.values():
+            total *= len(v["grid_search"]) if isinstance(v, dict) else 1
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    tuner = tune.Tuner(
+        trainable,
+        param_space=dict(param_space),
+        tune_config=tune_config,
+        run_config=tune.RunConfig(
+            name=name,
+            storage_path=str((settings.output_dir / "tune").resolve()),
+            verbose=0,
+            callbacks=[RichProgress(console, total, space.reference)],
+        ),
+    )
+    grid = tuner.fit()
+    results = [{"config": r.config, "metrics": r.metrics, "error": repr(r.error) if r.error else None} for r in grid]
+    order = [_trial_index(r.path, (r.metrics or {}).get("trial_id", "")) for r in grid]
+    return [r for _, r in sorted(zip(order, results), key=lambda x: x[0])]
+
+
+def _trial_index(path: str, trial_id: str) -> int:
+    """The order Tune started a trial in: its directory is ``<trainable>_<trial id>_<index>_<params>_<date>``."""
+    found = re.search(rf"_{re.escape(trial_id)}_(\d+)_", Path(path).name) if trial_id else None
+    return int(found.group(1)) if found else sys.maxsize
+
+
+def run_sweep(cfg: RunConfig, base_yaml: Mapping[str, Any], settings: SweepSettings, console: Console) -> Sweep:
+    """Sweep the shares of ``cfg`` on the cluster this process is connected to; write the CSV, PNG and best config."""
+    started = time.monotonic()
+    speeds, dilation = predicted_speeds(cfg, settings)
+    space = share_space(cfg, speeds, spread=settings.spread, micro_batch_caps=settings.micro_batch_caps)
+    emulated = cfg.emulation is not None
+    console.print(
+        f"[bold]share sweep[/bold]{' (emulated devices)' if emulated else ''}: predicted weights "
+        + ", ".join(f"{t} {w:.3g}" for t, w in space.predicted.items())
+        + f"; searching ×/÷{settings.spread:g} around them, {settings.trials} trials of {settings.steps} steps"
+        + (f", dilation {dilation:.3g}" if dilation else "")
+    )
+    base = trial_base(cfg, settings)
+    results = run_trials(
+        base,
+        space,
+        settings,
+        dilation,
+        param_space=space.tune_space(),
+        search=True,
+        console=console,
+        name=base.run.name,
+    )
+    trials = trials_frame(results, space, settings.windows)
+    out = settings.output_dir
+    csv, plot, best_path = out / "trials.csv", out / "throughput.png", out / "best.yaml"
+    write_csv(trials, csv)
+    write_plot(trials, space, plot, emulated=emulated)
+    best = best_trial(trials)
+    write_best_config(base_yaml, best, space, best_path)
+    return Sweep(
+        trials=trials,
+        space=space,
+        best=best,
+        dilation=dilation,
+        csv=csv,
+        plot=plot,
+        best_config=best_path,
+        seconds=time.monotonic() - started,
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The sweep's command-line options (``hetero-ray tune`` and ``python -m tuning.sweep``)."""
+    d = SweepSettings()
+    p.add_argument("--config", required=True, help="run config YAML (its devices, workload and global batch)")
+    p.add_argument("--trials", type=int, default=d.trials, help=f"trials, the prediction first (default {d.trials})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"training steps per trial (default {d.steps})")
+    p.add_argument("--windows", type=int, default=d.windows, help=f"samples/s reports per trial (default {d.windows})")
+    p.add_argument("--grace-windows", type=int, default=d.grace_windows, help="windows before ASHA may stop a trial")
+    p.add_argument("--spread", type=float, default=d.spread, help="search weights within ×/÷ this of the prediction")
+    p.add_argument("--random-trials", type=int, default=d.random_trials, help="random trials before TPE's model")
+    p.add_argument("--micro-batch-caps", help="also search a micro-batch cap among these, e.g. 8,16,32")
+    p.add_argument("--history", help="profile history (parquet): start from the performance model, not the catalog")
+    p.add_argument("--seed", type=int, default=d.seed, help="the sampler's seed")
+    p.add_argument("--output-dir", default=str(d.output_dir), help="where trials.csv, throughput.png, best.yaml go")
+    p.add_argument("--address", help="Ray address (default: RAY_ADDRESS or a local cluster)")
+
+
+def settings_from(args: argparse.Namespace) -> SweepSettings:
+    """Validated settings from parsed arguments; ``SweepError`` (one line) on bad values."""
+    caps: tuple[int, ...] = ()
+    if args.micro_batch_caps:
+        parts = args.micro_batch_caps.split(",")
+        if not all(s.strip().isdigit() and int(s) > 0 for s in parts):
+            raise SweepError(f"--micro-batch-caps: comma-separated positive integers (got {args.micro_batch_caps})")
+        caps = tuple(int(s) for s in parts)
+    if args.history and not Path(args.history).is_file():
+        raise SweepError(f"--history: {args.history} is not a file; profile first (hetero-ray profile --history …)")
+    return SweepSettings(
+        trials=args.trials,
+        steps=args.steps,
+        windows=args.windows,
+        grace_windows=args.grace_windows,
+        spread=args.spread,
+        random_trials=args.random_trials,
+        seed=args.seed,
+        micro_batch_caps=caps,
+        history=args.history,
+        output_dir=Path(args.output_dir),
+    )
+
+
+def command(args: argparse.Namespace, console: Console) -> int:
+    """Run the sweep the arguments describe; bad input is one line on stderr and exit code 2."""
+    from hetero_ray.perf.history import HistoryError
+    from hetero_ray.perf.model import NoHistory
+    from hetero_ray.plan.plan import PlanError
+
+    try:
+        settings = settings_from(args)
+        cfg = load_config(args.config)
+        base_yaml = yaml.safe_load(Path(args.config).read_text())
+        # Checked before any cluster is reached.
+        share_space(cfg, dict.fromkeys(cfg.devices, 1.0), spread=settings.spread)
+        import ray
+
+        ray.init(address=args.address or os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+        try:
+            sweep = run_sweep(cfg, base_yaml, settings, console)
+        finally:
+            ray.shutdown()
+    except (SweepError, ConfigError, PlanError, HistoryError, NoHistory) as exc:
+        print(f"hetero-ray: error: {exc}", file=sys.stderr)
+        return 2
+    best = ", ".join(f"{t} {sweep.best[f'share:{t}']:.0f}" for t in sweep.space.predicted if f"share:{t}" in sweep.best)
+    console.print(
+        f"best: {sweep.best[METRIC]:.1f} samples/s{' (emulated)' if sweep.best['emulated'] else ''} with shares "
+        f"{best} per worker; {len(sweep.trials)} trials in {sweep.seconds:.0f} s"
+    )
+    console.print(f"wrote {sweep.csv}, {sweep.plot}, {sweep.best_config} (run it: jobs/train.py --config)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tuning.sweep``: the same as ``hetero-ray tune``."""
+    parser = argparse.ArgumentParser(prog="python -m tuning.sweep", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return command(parser.parse_args(argv), Console())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
