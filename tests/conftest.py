@@ -1,10 +1,12 @@
-"""Shared test helpers: paths, and the environment every Ray process of a test needs."""
+"""Shared test fixtures: paths, and the one emulated cluster the job tests share."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+from hetero_ray.cluster.emulation import EmulatedCluster
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -13,3 +15,13 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """2 × A100-80GB on one emulated node, 2 × V100-16GB on another, for every module that submits jobs.
+
+    A test that takes a node away puts one back before it ends.
+    """
+    with EmulatedCluster({"A100-80GB": 2, "V100-16GB": 2}, gpus_per_node=2) as c:
+        yield c

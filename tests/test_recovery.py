@@ -1,8 +1,8 @@
 """Surviving failures on a real emulated cluster: a killed worker, a corrupt checkpoint, an out-of-memory,
 a throttled device, a lost node.
 
-One cluster for the module (2 × A100-80GB on one node, 2 × V100-16GB on another); the
-node-loss test runs last because it takes the A100 node away. Every run trains the
+The session's cluster (2 × A100-80GB on one node, 2 × V100-16GB on another); the node-loss
+test takes the A100 node away and starts another in its place. Every run trains the
 standard small job (fp32, plain Adam, deterministic data order), so whatever happened,
 its final parameters must be those of one process on the full batch.
 """
@@ -33,12 +33,6 @@ from hetero_ray.monitor.metrics import balance_efficiency
 from hetero_ray.train.checkpoint import MANIFEST, checkpoint_dirs
 
 CHECKPOINT_EVERY = 5
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with EmulatedCluster({"A100-80GB": 2, "V100-16GB": 2}, gpus_per_node=2) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +143,10 @@ def test_lost_node_replans_on_the_remaining_type(cluster, tmp_path, reference):
     job_id, out = submit(cluster, tmp_path, cfg)
     saved = wait_for_checkpoint(cluster, job_id, tmp_path / "runs" / "node-loss")
     cluster.kill_node("A100-80GB")
-    assert wait_for(cluster, job_id, timeout=400) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    try:
+        assert wait_for(cluster, job_id, timeout=400) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    finally:
+        cluster.add_node("A100-80GB", 2)
     result = json.loads(out.read_text())
     m = result["metrics"]
     assert m["resumed_from_step"] >= saved + 1

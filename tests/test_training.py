@@ -1,6 +1,6 @@
 """End to end on a real emulated cluster: `ray job submit` of jobs/train.py, split invariance, resume.
 
-One Ray cluster for the module: a head plus labelled raylets for 2 × A100-80GB
+The session's Ray cluster (tests/conftest.py): a head plus labelled raylets for 2 × A100-80GB
 and 2 × V100-16GB (emulated), started with `ray start` and token authentication.
 """
 
@@ -29,7 +29,6 @@ from cluster_jobs import (
     wait_for,
 )
 
-from hetero_ray.cluster.emulation import EmulatedCluster
 from hetero_ray.config import parse_config
 from hetero_ray.monitor.metrics import DEFINITIONS, prometheus_name
 from hetero_ray.plan.cost import onebit_allreduce_bytes
@@ -38,12 +37,6 @@ from hetero_ray.plan.plan import Infeasible, Plan
 from hetero_ray.train.prepare import prepare
 
 TINY_MEMORY = REPO / "tests" / "data" / "tiny-memory-gpus.yaml"
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with EmulatedCluster({"A100-80GB": 2, "V100-16GB": 2}, gpus_per_node=2) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
