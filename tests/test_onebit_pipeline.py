@@ -21,7 +21,7 @@ from test_pipeline_exec import OPTIONS, PLANS, role
 from hetero_ray.config import ConfigError, parse_config
 from hetero_ray.train.data import GlobalBatches
 from hetero_ray.train.onebit import fused_allreduce_bytes
-from hetero_ray.train.pipeline import Stage, gradient_buckets, pipeline_group
+from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group
 from hetero_ray.train.sync import make_sync
 from hetero_ray.workloads import build_workload
 
@@ -70,6 +70,20 @@ def train(rank: int, optimizer: str) -> dict:
             "numels": [p.numel() for p in stage.module.parameters()],
             "bytes_per_call": backend.last_bytes_sent,
             "calls": backend.calls,
+        }
+        # Checkpoint format: per parameter by model position (as AdamW's), gathered whole on rank 0, and
+        # loading it back restores the moments and drops the compression errors.
+        state = sync.state_dict()
+        (flat_state,) = sync.optimizer.state.values()
+        before = flat_state["exp_avg"].clone()
+        whole = gather_whole_state(workload.model, layers, sync, ROLES, rank)
+        sync.load_state_dict(state)
+        (loaded,) = sync.optimizer.state.values()
+        result |= {
+            "state_shapes": {g: tuple(s["exp_avg"].shape) for g, s in state["state"].items()},
+            "param_shapes": {g: tuple(p.shape) for g, p in enumerate(workload.model.parameters())},
+            "whole_positions": sorted(whole[1]["state"]) if whole else None,
+            "restored": torch.equal(loaded["exp_avg"], before) and "worker_error" not in loaded,
         }
     return result
 
@@ -122,6 +136,15 @@ def test_onebit_trains_close_to_adam_on_the_same_plan(runs: list[dict]) -> None:
     assert onebit[0] == adam[0]
     assert onebit[-1] < onebit[FREEZE] < onebit[0]
     assert onebit[-1] / adam[-1] == pytest.approx(1.0, abs=0.05), (onebit, adam)
+
+
+def test_onebit_state_is_saved_per_parameter_and_restores(runs: list[dict]) -> None:
+    for got in [r["onebit_adam"] for r in runs]:
+        assert got["restored"]
+        assert got["state_shapes"] == {g: got["param_shapes"][g] for g in got["state_shapes"]}
+    held = [sorted(r["onebit_adam"]["state_shapes"]) for r in runs]
+    assert held[0] == held[2] and held[1] == held[3] and not set(held[0]) & set(held[1])
+    assert runs[0]["onebit_adam"]["whole_positions"] == sorted(runs[0]["onebit_adam"]["param_shapes"])
 
 
 def test_pipelines_cut_differently_get_one_line_error_on_every_rank(runs: list[dict]) -> None:

@@ -175,6 +175,8 @@ def deepspeed_config(cfg: RunConfig, world: int, on_gpu: bool) -> dict:
 # the errors whenever it loads a state (the errors are each rank's own), so checkpoints omit them.
 DEEPSPEED_REDERIVED = {"worker_error", "server_error", "momentum_accumulator", "tensor_size", "corrected_tensor_size"}
 DEEPSPEED_REDERIVED |= {"server_chunk_size"}
+# The per-element moments both optimizers keep, one tensor the size of the parameter each.
+PER_ELEMENT = ("exp_avg", "exp_avg_sq")
 
 
 class DeepSpeedOnebit:
@@ -280,46 +282,42 @@ class DeepSpeedOnebit:
     def state_dict(self) -> dict:
         """DeepSpeed's state per parameter, keyed by position in ``model.parameters()``, without its errors."""
         state = self.optimizer.state_dict()
-        groups = [{**g, "params": []} for g in state["param_groups"]]
-        group = {k: v for k, v in groups[0].items() if k != "exp_avg_mask"} | {"params": self.index}
+        group = {k: v for k, v in state["param_groups"][0].items() if k not in ("params", "exp_avg_mask")}
         entries = state["state"]
         if self.flat is None:
             per_param = {self.index[i]: s for i, s in entries.items()}
         elif entries:
-            flat = entries[0]
-            split = {
-                k: self.flat.split(v)
-                for k, v in flat.items()
-                if isinstance(v, torch.Tensor) and k in ("exp_avg", "exp_avg_sq")
-            }
+            # The flat parameter's moments, cut back into the tensors; counters hold for every tensor.
+            split = {k: self.flat.split(entries[0][k]) for k in PER_ELEMENT if k in entries[0]}
             per_param = {
-                g: {k: split[k][j] if k in split else v for k, v in flat.items()} for j, g in enumerate(self.index)
+                g: {k: split[k][j] if k in split else v for k, v in entries[0].items()}
+                for j, g in enumerate(self.index)
             }
         else:
             per_param = {}
         return {
             "state": {g: {k: v for k, v in s.items() if k not in DEEPSPEED_REDERIVED} for g, s in per_param.items()},
-            "param_groups": [group],
+            "param_groups": [group | {"params": self.index}],
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Load this rank's parameters' entries of a whole-model state; DeepSpeed resets the compression errors."""
-        mine = [state["state"].get(g) for g in self.index]
+        mine = {
+            i: {k: v for k, v in state["state"][g].items() if k not in DEEPSPEED_REDERIVED}
+            for i, g in enumerate(self.index)
+            if g in state["state"]
+        }
         hyper = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
         if self.flat is None:
-            local = {i: s for i, s in enumerate(mine) if s is not None}
+            local = mine
             groups = [{**hyper, "params": list(range(len(self.index)))}]
-        else:
-            local = {}
-            if all(s is not None for s in mine) and mine:
-                first = mine[0]
-                local = {
-                    0: {
-                        k: self.flat.join([s[k] for s in mine]) if k in ("exp_avg", "exp_avg_sq") else v
-                        for k, v in first.items()
-                    }
-                }
+        elif len(mine) == len(self.index) > 0:
+            # All of this rank's tensors have state, or none (before the first step).
+            joined = {k: self.flat.join([mine[i][k] for i in range(len(mine))]) for k in PER_ELEMENT if k in mine[0]}
+            local = {0: mine[0] | joined}
             groups = [{**hyper, "params": [0]}]
+        else:
+            local, groups = {}, [{**hyper, "params": [0]}]
         self.optimizer.load_state_dict({"state": local, "param_groups": groups})
 
 
