@@ -319,6 +319,13 @@ class DeepSpeedOnebit:
         else:
             local, groups = {}, [{**hyper, "params": [0]}]
         self.optimizer.load_state_dict({"state": local, "param_groups": groups})
+        if local and hasattr(self.optimizer, "adam_freeze_key"):
+            # A fresh optimizer's first step() only initialises; after a load in the compressed
+            # phase DeepSpeed would also switch compression off for the step after it while the
+            # engine's all-reduce stays off (its load turned it off): un-reduced local gradients
+            # would be applied and the ranks would drift apart. The loaded state is initialised.
+            # OnebitAdam only: ZeroOneAdam's ranks drift after a load either way (decisions.md).
+            self.optimizer.initialize = True
 
 
 def onebit_bucket(buckets: list[Bucket], optimizer: str) -> Bucket:
