@@ -31,9 +31,10 @@ from cluster_jobs import (
 
 from hetero_ray.config import parse_config
 from hetero_ray.monitor.metrics import DEFINITIONS, prometheus_name
-from hetero_ray.plan.cost import onebit_allreduce_bytes
+from hetero_ray.plan.cost import ring_allreduce_bytes
 from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.plan.plan import Infeasible, Plan
+from hetero_ray.train.onebit import fused_allreduce_bytes
 from hetero_ray.train.prepare import prepare
 
 TINY_MEMORY = REPO / "tests" / "data" / "tiny-memory-gpus.yaml"
@@ -139,9 +140,9 @@ def test_onebit_adam_compresses_and_resumes_with_its_optimizer_state(cluster, tm
     first = result["metrics"]
     tensors = torch.load(Path(result["checkpoint_path"]) / "model.pt").values()
     assert all(d["compressed"] for d in first["devices"])
-    # DeepSpeed compresses tensor by tensor: per rank, step and tensor, two phases of a packed
-    # chunk and a 4-byte scale to each of 3 peers.
-    expected = sum(onebit_allreduce_bytes(t.numel(), 4) for t in tensors)
+    # The model is one flat tensor compressed in one call with a scale per original tensor,
+    # plus the 2-element loss/stop vote.
+    expected = fused_allreduce_bytes([t.numel() for t in tensors], 4) + ring_allreduce_bytes(8, 4)
     assert {d["bytes_sent"] for d in first["devices"]} == {expected}
     assert first["losses"][-1][1] < first["losses"][0][1]
 

@@ -2,7 +2,7 @@
 
 One step on one worker (rank r with local batch b_r of a global batch B):
 forward/backward each micro-batch with its loss scaled by ``size / B`` (times the
-synchroniser's ``loss_weight``: the world size when it averages), so the reduced
+synchroniser's ``loss_weight``), so the reduced
 gradient is the full-batch mean; pad to the emulated device's modelled time;
 synchronise and update (``train/sync.py``), padded to the emulated link's time.
 """
