@@ -74,8 +74,6 @@ class Case:
     run: Callable[[Path], Outcome]
     pattern: str
     """Regex the error line must match; ``{dir}`` stands for the case's directory."""
-    known_bug: str = ""
-    """Where the entry point breaks the contract today; the case is then an expected failure."""
 
 
 # --- inputs -----------------------------------------------------------------------------
@@ -397,7 +395,7 @@ CASES = [
          r"unknown GPU type 'Z100'; known: .*; declare it in a gpus file"),
     Case("plan-cmd-gpu-count-not-a-number", "hetero-ray plan", "cluster.yaml with `resources: {GPU: eight}`",
          cli(plan_cmd(lambda d: CLUSTER_TEXT.replace("{CPU: 96, GPU: 8}", "{CPU: 96, GPU: eight}"))),
-         r"GPU", known_bug="hetero_ray/plan/topology.py load_cluster: int() of the GPU count escapes as ValueError"),
+         r"{dir}/cluster\.yaml: available_node_types\.[\w-]+\.resources\.GPU: expected a whole number \(got 'eight'\)"),
     Case("plan-cmd-zero-global-batch", "hetero-ray plan", "`--global-batch 0`",
          cli(plan_cmd(lambda d: CLUSTER_TEXT, "--global-batch", "0")), r"--global-batch: must be >= 1 \(got 0\)"),
     Case("plan-cmd-bad-model-options", "hetero-ray plan", "`--model-options {bad`",
@@ -526,11 +524,7 @@ def error_line(case: Case, result: Outcome) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize(
-    "case",
-    [pytest.param(c, marks=pytest.mark.xfail(reason=c.known_bug, strict=True)) if c.known_bug else c for c in CASES],
-    ids=[c.id for c in CASES],
-)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_gets_one_line(case: Case, tmp_path_factory: pytest.TempPathFactory) -> None:
     result, d = outcome(case, tmp_path_factory)
     assert not result.traceback, result.stderr
@@ -568,12 +562,7 @@ def render_doc(tmp_path_factory: pytest.TempPathFactory) -> str:
     rows = []
     for case in CASES:
         result, d = outcome(case, tmp_path_factory)
-        if case.known_bug:
-            # A traceback: show its last line, and where the fix belongs.
-            line = result.stderr.strip().splitlines()[-1] + f" — **known bug**: {case.known_bug}"
-        else:
-            line = error_line(case, result)
-        line = line.replace(str(d), "<dir>").replace(str(REPO), ".").replace("|", "¦")
+        line = error_line(case, result).replace(str(d), "<dir>").replace(str(REPO), ".").replace("|", "¦")
         rows.append(f"| {case.entry} | {case.shown} | `` {line} `` | {result.exit_code} |")
     head = [
         "# Bad inputs and the line each produces",

@@ -94,6 +94,13 @@ class ClusterSpec:
     topology: Topology
 
 
+def _count(value: object, where: str) -> int:
+    """A whole-number count from YAML; anything else is a one-line ConfigError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ConfigError(f"{where}: expected a whole number (got {value!r})")
+    return int(value)
+
+
 def load_cluster(path: str | Path, catalog: Catalog) -> ClusterSpec:
     """Read a Ray cluster-launcher YAML: node types labelled ``hetero-ray/gpu-type`` with GPUs and a NIC label.
 
@@ -118,7 +125,7 @@ def load_cluster(path: str | Path, catalog: Catalog) -> ClusterSpec:
             continue
         where = f"{path}: available_node_types.{name}"
         spec = catalog.get(gpu_type)
-        gpus = int((node.get("resources") or {}).get("GPU", 0))
+        gpus = _count((node.get("resources") or {}).get("GPU", 0), f"{where}.resources.GPU")
         if gpus < 1:
             raise ConfigError(f"{where}.resources.GPU: a node labelled {gpu_type} needs GPU >= 1 (got {gpus})")
         try:
@@ -127,7 +134,7 @@ def load_cluster(path: str | Path, catalog: Catalog) -> ClusterSpec:
             raise ConfigError(
                 f"{where}.labels: needs '{NETWORK_LABEL}: \"<NIC Gbit/s>\"' (got {labels.get(NETWORK_LABEL)!r})"
             ) from None
-        devices[gpu_type] = devices.get(gpu_type, 0) + gpus * int(node.get("max_workers", 0))
+        devices[gpu_type] = devices.get(gpu_type, 0) + gpus * _count(node.get("max_workers", 0), f"{where}.max_workers")
         kind = NodeKind(
             gpu_type=gpu_type,
             gpus_per_node=gpus,
