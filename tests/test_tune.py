@@ -7,8 +7,8 @@ The end-to-end test starts one emulated Ray cluster for the module (1 × A100-80
 from __future__ import annotations
 
 import argparse
-import math
-import os
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -22,7 +22,7 @@ from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.workloads import build_workload
 from tuning.results import best_trial, trials_frame, write_best_config, write_csv, write_plot
 from tuning.space import SweepError, plan_speeds, share_space, weights_of
-from tuning.sweep import SweepSettings, add_arguments, command, settings_from
+from tuning.sweep import SweepSettings, add_arguments, command, predicted_speeds, settings_from
 from tuning.trial import trial_config
 
 WORKLOAD = {
@@ -174,31 +174,34 @@ def cluster():
 
 
 def test_small_sweep_end_to_end(cluster, tmp_path):
-    """Two trials on the live emulated cluster: real measurements, distinct per share, and the files written."""
-    os.environ.update(cluster.env)  # before `import ray`: Ray reads its auth mode at import
-    import ray
-
-    from tuning.sweep import run_sweep
-
+    """`hetero-ray tune`, two trials on the live emulated cluster: real measurements, distinct per share, and the
+    files written. Its own process, as a user runs it: Ray keeps one auth token per process."""
     base = config(global_batch=24)
-    settings = SweepSettings(trials=2, steps=6, windows=2, random_trials=1, output_dir=tmp_path / "out")
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        sweep = run_sweep(parse_config(base), base, settings, Console(quiet=True))
-    finally:
-        ray.shutdown()
-    trials = sweep.trials
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(base))
+    out = tmp_path / "out"
+    argv = ["--config", str(tmp_path / "run.yaml"), "--trials", "2", "--steps", "6", "--windows", "2"]
+    argv += ["--random-trials", "1", "--output-dir", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "hetero_ray.cli", "tune", *argv],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "best:" in done.stdout and "(emulated)" in done.stdout, done.stdout
+    trials = pd.read_csv(out / "trials.csv")
     assert len(trials) == 2 and trials["error"].isna().all(), trials.to_dict("records")
     assert trials["emulated"].all() and (trials["samples_per_s"] > 0).all()
     # The first trial is the prediction: the planner's A100 : V100 speed ratio.
-    assert trials["weight:A100-80GB"].iloc[0] == pytest.approx(sweep.space.predicted["A100-80GB"])
-    shares = trials["share:A100-80GB"]
-    by_share = trials.groupby(shares)["samples_per_s"].mean()
+    cfg = parse_config(base)
+    settings = SweepSettings()
+    predicted = share_space(cfg, predicted_speeds(cfg, settings)[0], spread=settings.spread).predicted
+    assert trials["weight:A100-80GB"].iloc[0] == pytest.approx(predicted["A100-80GB"])
+    by_share = trials.groupby("share:A100-80GB")["samples_per_s"].mean()
     assert len(by_share) >= 2 and by_share.nunique() == len(by_share), trials.to_dict("records")
-    assert not math.isnan(sweep.best["samples_per_s"]) and sweep.best["complete"]
-    csv = pd.read_csv(sweep.csv)
-    assert len(csv) == 2 and (csv["samples_per_s"] > 0).all()
-    assert sweep.plot.read_bytes()[:4] == b"\x89PNG"
-    best = load_config(sweep.best_config)
-    assert best.train.split["A100-80GB"] == pytest.approx(sweep.best["weight:A100-80GB"], rel=1e-3)
-    assert best.train.steps == 100
+    best = best_trial(trials)
+    assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+    best_cfg = load_config(out / "best.yaml")
+    assert best_cfg.train.split["A100-80GB"] == pytest.approx(best["weight:A100-80GB"], rel=1e-3)
+    assert best_cfg.train.steps == 100

@@ -164,8 +164,20 @@ class Rebalancer:
             self.balance = self.balance.measured(per_sample, self.damping)
             busy = [float(b) for b, _ in gathered]
             if imbalance(busy) > self.threshold:
-                reasons.append(("imbalance", f"compute imbalance {imbalance(busy):.0%} over the last {self.every} steps"))
+                reasons.append(
+                    ("imbalance", f"compute imbalance {imbalance(busy):.0%} over the last {self.every} steps")
+                )
         if not reasons:
             return None
-        self.roles = self.balance.split(self.roles, self.global_batch, self.footprint)
+        roles = self.balance.split(self.roles, self.global_batch, self.footprint)
+        if all(cause == "imbalance" for cause, _ in reasons) and _work(roles) == _work(self.roles):
+            # Integer shares rarely balance to within the threshold: a split the new estimates
+            # leave as it is, is no re-split.
+            return None
+        self.roles = roles
         return Change(roles=list(self.roles), reasons=reasons, mine=mine_decision)
+
+
+def _work(roles: Sequence[WorkerRole | None]) -> list[tuple[int, int] | None]:
+    """What each rank computes in a step: its share and micro-batch."""
+    return [(r.local_batch, r.micro_batch) if r else None for r in roles]
