@@ -318,14 +318,23 @@ class DeepSpeedOnebit:
             groups = [{**hyper, "params": [0]}]
         else:
             local, groups = {}, [{**hyper, "params": [0]}]
-        self.optimizer.load_state_dict({"state": local, "param_groups": groups})
-        if local and hasattr(self.optimizer, "adam_freeze_key"):
-            # A fresh optimizer's first step() only initialises; after a load in the compressed
-            # phase DeepSpeed would also switch compression off for the step after it while the
-            # engine's all-reduce stays off (its load turned it off): un-reduced local gradients
-            # would be applied and the ranks would drift apart. The loaded state is initialised.
-            # OnebitAdam only: ZeroOneAdam's ranks drift after a load either way (decisions.md).
-            self.optimizer.initialize = True
+        opt = self.optimizer
+        opt.load_state_dict({"state": local, "param_groups": groups})
+        if not local:
+            return
+        # A fresh optimizer's first step() only initialises, and after a load in the compressed
+        # phase it would also switch compression off for the step after it while the engine's
+        # all-reduce stays off (the load turned it off): un-reduced local gradients would be
+        # applied and the ranks would drift apart. The loaded state is initialised.
+        opt.initialize = True
+        if hasattr(opt, "var_freeze_step"):
+            # ZeroOneAdam's load sets `var_freeze_key`, which its step() never reads: restore
+            # `freeze_key` as its last step left it. Finding no error buffers, its next step
+            # restarts its intervals at 1, so a step inside the warm-up updates the variance
+            # from the gradient and needs the engine's all-reduce, whatever the load decided.
+            steps = next(iter(opt.state.values()))["step"]  # every parameter steps together
+            opt.freeze_key = steps > opt.var_freeze_step
+            self.engine.enable_backward_allreduce = not opt.freeze_key
 
 
 def onebit_bucket(buckets: list[Bucket], optimizer: str) -> Bucket:
