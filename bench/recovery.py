@@ -13,9 +13,11 @@ Usage: python bench/recovery.py [--steps 40] [--checkpoint-every 5]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -103,7 +105,9 @@ def main() -> None:
     os.environ.update(cluster.env)
     import ray
 
-    with cluster:
+    # Ray prints the deaths this benchmark causes ("(raylet) A worker died …") on stdout;
+    # they go to stderr so that stdout is the JSON alone.
+    with cluster, contextlib.redirect_stdout(sys.stderr):
         # After a lost node, Ray Train asks for the old group size until this times out (Ray's
         # default 60 s), then re-plans on what is left; the figure is measured with 15 s.
         ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": START_TIMEOUT})
