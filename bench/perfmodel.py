@@ -13,10 +13,11 @@
   throughput (../shared/data/lambda-pytorch-train-throughput-fp32.csv). For each
   model and each GPU type, that type is left out and its throughput predicted from
   the other types and the catalog with the model's fallback (``fit_cross_type``:
-  seconds per sample = flops ÷ peak + bytes ÷ memory bandwidth, both learnt from the
-  other types). Peak is the catalog's TF32 figure where the card has TF32 (Lambda
-  ran fp32 with TF32 allowed, per the data's README), else fp32. The same with the
-  compute term alone (peak × efficiency) is reported for comparison.
+  seconds per sample = flops ÷ peak + bytes ÷ memory bandwidth + host seconds, all
+  learnt from the other types). Peak is the catalog's TF32 figure where the card has
+  TF32 (Lambda ran fp32 with TF32 allowed, per the data's README), else fp32. The
+  same with the compute term alone (peak × efficiency) and without the host term is
+  reported for comparison.
 
 Each workload is timed for about ``--budget`` seconds per clock (at least
 ``--min-repeats`` rounds), its repeats running in rounds across the micro-batches.
@@ -182,7 +183,7 @@ def training_precision(spec) -> str:
     return "tf32" if "tf32" in spec.peak_tflops else "fp32"
 
 
-def leave_one_type_out(throughput: pd.DataFrame, catalog: Catalog, *, bandwidth: bool) -> pd.DataFrame:
+def leave_one_type_out(throughput: pd.DataFrame, catalog: Catalog, *, max_terms: int = 3) -> pd.DataFrame:
     """Signed relative error of each (model, type)'s predicted throughput, each type predicted from the others."""
     errors = {}
     for model in throughput.columns:
@@ -193,32 +194,37 @@ def leave_one_type_out(throughput: pd.DataFrame, catalog: Catalog, *, bandwidth:
                 for t in measured.index
                 if t != left_out
             ]
-            fitted = fit_cross_type(points, bandwidth=bandwidth)
+            fitted = fit_cross_type(points, max_terms=max_terms)
             spec = catalog.get(left_out)
             predicted = 1.0 / fitted.seconds_per_sample(spec, training_precision(spec))
             errors[(model, left_out)] = predicted / measured[left_out] - 1
     return pd.Series(errors).unstack()
 
 
+def ape_summary(signed: pd.DataFrame, prefix: str) -> dict:
+    """Median and mean absolute percentage error (fractions) over every (model, type) of ``signed``."""
+    every = signed.abs().stack().to_numpy()
+    return {f"{prefix}_median_ape": float(np.median(every)), f"{prefix}_mean_ape": float(every.mean())}
+
+
 def cross_gpu() -> dict:
     """Leave-one-GPU-type-out prediction of Lambda's measured throughput, per model and overall."""
     catalog = load_catalog()
     throughput, skipped = lambda_by_type(catalog)
-    signed = leave_one_type_out(throughput, catalog, bandwidth=True)
-    peak_only = leave_one_type_out(throughput, catalog, bandwidth=False).abs()
+    signed = leave_one_type_out(throughput, catalog)
     ape = signed.abs()
-    every = ape.stack().to_numpy()
     return {
-        "cross_gpu_median_ape": float(np.median(every)),
-        "cross_gpu_mean_ape": float(every.mean()),
+        **ape_summary(signed, "cross_gpu"),
         "features": "seconds/sample = flops / catalog peak (TF32 where the card has it, else fp32) "
-        "+ bytes / catalog memory bandwidth; flops, bytes >= 0 learnt per model from the other types",
+        "+ bytes / catalog memory bandwidth + host seconds; flops, bytes, host >= 0 learnt per model "
+        "from the other types",
         "per_model": {
             m: {"median_ape": float(ape.loc[m].median()), "mean_ape": float(ape.loc[m].mean())} for m in ape.index
         },
         "signed_error_per_type": {m: signed.loc[m].round(4).dropna().to_dict() for m in signed.index},
-        "peak_only_median_ape": float(np.median(peak_only.stack().to_numpy())),
-        "peak_only_mean_ape": float(peak_only.stack().mean()),
+        # The same fit with fewer terms: the compute term alone, and compute + bandwidth.
+        **ape_summary(leave_one_type_out(throughput, catalog, max_terms=1), "peak_only"),
+        **ape_summary(leave_one_type_out(throughput, catalog, max_terms=2), "without_host"),
         "gpu_types": list(throughput.index),
         "lambda_rows_without_catalog_type": skipped,
         "data": str(LAMBDA_CSV.relative_to(REPO.parent)),

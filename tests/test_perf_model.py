@@ -16,6 +16,7 @@ from hetero_ray.perf.model import (
     CrossType,
     NoHistory,
     StepCurve,
+    cross_type_terms,
     fit_cross_type,
     fit_memory_line,
     fit_perf_model,
@@ -121,6 +122,17 @@ def test_cross_type_recovers_compute_and_memory_terms(catalog):
               [("A100-80GB", "bf16"), ("V100-16GB", "fp16"), ("RTX-3090", "fp32"), ("T4", "fp32")]]  # fmt: skip
     fitted = fit_cross_type(points)
     assert (fitted.flops, fitted.bytes) == (pytest.approx(3e9), pytest.approx(2e6))
+
+
+def test_cross_type_learns_host_time_from_four_types_and_more(catalog):
+    truth = CrossType(flops=3e9, bytes=2e6, host_s=4e-4)
+    pairs = [("A100-80GB", "bf16"), ("V100-16GB", "fp16"), ("RTX-3090", "fp32"), ("T4", "fp32"), ("L4", "bf16")]
+    points = [(catalog.get(t), p, truth.seconds_per_sample(catalog.get(t), p)) for t, p in pairs]
+    fitted = fit_cross_type(points)
+    assert (fitted.flops, fitted.bytes, fitted.host_s) == pytest.approx((3e9, 2e6, 4e-4), rel=1e-5)
+    # Three types admit two terms: the host time is then absorbed, not fitted.
+    assert fit_cross_type(points[:3]).host_s == 0.0
+    assert cross_type_terms(2) == ("compute",) and cross_type_terms(9, max_terms=2) == ("compute", "bandwidth")
 
 
 def test_cross_type_with_two_types_is_peak_times_efficiency(catalog):

@@ -13,13 +13,16 @@ Fitted per workload from the profile history (``perf/history.py``):
   squares for (overhead, per-sample) ≥ 0. Fewer points, fewer parameters: 1 point
   → proportional, 2 → overhead + linear, 3–4 → + exponent, ≥ 5 → + saturation.
 - **Types without history**, ``CrossType``: seconds per sample on type T at
-  precision p = ``flops / peak_T(p) + bytes / bandwidth_T`` — a step is partly
-  compute-bound (matrix products, at the catalog's peak for p) and partly
+  precision p = ``flops / peak_T(p) + bytes / bandwidth_T + host_s`` — a step is
+  partly compute-bound (matrix products, at the catalog's peak for p), partly
   memory-bound (normalisation, activations, optimizer, at the catalog's HBM
-  bandwidth). ``flops`` and ``bytes`` (both ≥ 0, "effective": FLOPs at the achieved
-  efficiency, bytes at the achieved bandwidth) are learnt from the types that have
-  history, at the same micro-batch; with fewer than three such types, only the
-  compute term: the catalog's peak × an efficiency learnt from the others.
+  bandwidth) and partly spent where the card does not matter (the host's Python and
+  data loading, kernel launches). ``flops``, ``bytes`` and ``host_s`` (all ≥ 0,
+  "effective": FLOPs at the achieved efficiency, bytes at the achieved bandwidth)
+  are learnt from the types that have history, at the same micro-batch. A fit keeps
+  at least one more type than terms, so that the data checks it: with two types only
+  the compute term (the catalog's peak × an efficiency learnt from the others), with
+  three + bandwidth, with four or more + host time.
 - **Peak memory**, ``MemoryLine``: ``static_bytes + per_sample_bytes · b`` by least
   squares; a type without history takes the median line of the others (activation
   bytes scaled by ``activation_scale`` across precisions).
@@ -39,8 +42,8 @@ from hetero_ray.cluster.catalog import Catalog, GpuSpec, load_catalog
 from hetero_ray.plan.cost import activation_scale
 
 EXPONENTS = tuple(float(x) for x in np.round(np.linspace(0.5, 1.5, 21), 2))
-# Fewer types than this leave a two-feature cross-type fit without a check on itself.
-MIN_TYPES_FOR_BANDWIDTH = 3
+# Cross-type terms, in the order a growing number of profiled types admits them.
+CROSS_TYPE_TERMS = ("compute", "bandwidth", "host")
 
 TypePrecision = tuple[str, str]
 """(GPU type, precision): the key of every per-device table here."""
@@ -145,40 +148,45 @@ def fit_memory_line(micro_batches: Sequence[float], peak_bytes: Sequence[float])
 
 @dataclass(frozen=True, kw_only=True)
 class CrossType:
-    """Seconds per sample on any catalog type: ``flops / peak(precision) + bytes / bandwidth``."""
+    """Seconds per sample on any catalog type: ``flops / peak(precision) + bytes / bandwidth + host_s``."""
 
     flops: float
     """Effective FLOPs per sample (the workload's FLOPs ÷ the efficiency achieved)."""
-    bytes: float
+    bytes: float = 0.0
     """Effective bytes moved per sample through memory (0 when fitted from fewer than 3 types)."""
+    host_s: float = 0.0
+    """Seconds per sample that no card shortens (0 when fitted from fewer than 4 types)."""
 
     def seconds_per_sample(self, spec: GpuSpec, precision: str) -> float:
         """Predicted seconds per sample on ``spec`` at ``precision``."""
-        return self.flops / spec.peak_flops(precision) + self.bytes / (spec.memory_bandwidth_gbs * 1e9)
+        return float(np.dot(_features(spec, precision), (self.flops, self.bytes, self.host_s)))
 
 
 def _features(spec: GpuSpec, precision: str) -> list[float]:
-    return [1.0 / spec.peak_flops(precision), 1.0 / (spec.memory_bandwidth_gbs * 1e9)]
+    return [1.0 / spec.peak_flops(precision), 1.0 / (spec.memory_bandwidth_gbs * 1e9), 1.0]
 
 
-def fit_cross_type(points: Sequence[tuple[GpuSpec, str, float]], *, bandwidth: bool = True) -> CrossType:
+def cross_type_terms(n_types: int, max_terms: int = len(CROSS_TYPE_TERMS)) -> tuple[str, ...]:
+    """The ``CrossType`` terms a fit to ``n_types`` profiled types uses: one fewer than the types, at least one."""
+    return CROSS_TYPE_TERMS[: max(1, min(max_terms, n_types - 1))]
+
+
+def fit_cross_type(points: Sequence[tuple[GpuSpec, str, float]], *, max_terms: int = 3) -> CrossType:
     """Fit ``CrossType`` to (spec, precision, seconds per sample) measured on other types, by relative error.
 
-    ``bandwidth=False`` keeps only the compute term (peak × a learnt efficiency), as
-    fewer than ``MIN_TYPES_FOR_BANDWIDTH`` types do anyway.
+    ``max_terms=1`` keeps only the compute term (peak × a learnt efficiency), as two
+    types do anyway; see ``cross_type_terms``.
     """
     if not points:
         raise NoHistory("cross-type fit: no measured GPU type to learn from")
     y = np.array([s for _, _, s in points], dtype=float)
     x = np.array([_features(spec, p) for spec, p, _ in points])
-    types = {spec.name for spec, _, _ in points}
-    if not bandwidth or len(types) < MIN_TYPES_FOR_BANDWIDTH:
-        x = x[:, :1]
-    solved = _relative_lstsq(x, y)
+    terms = cross_type_terms(len({spec.name for spec, _, _ in points}), max_terms)
+    solved = _relative_lstsq(x[:, : len(terms)], y)
     if solved is None:
         raise NoHistory(f"cross-type fit: no non-negative fit to {len(points)} points")
-    w = solved[0]
-    return CrossType(flops=float(w[0]), bytes=float(w[1]) if len(w) > 1 else 0.0)
+    flops, bytes_, host_s = (*solved[0], 0.0, 0.0)[:3]
+    return CrossType(flops=float(flops), bytes=float(bytes_), host_s=float(host_s))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,8 +263,8 @@ class PerfModel:
                 f"saturation {curve.saturation:g})"
             )
         others = sorted({t for t, _ in self.curves if t in self.catalog})
-        features = "peak and memory bandwidth" if len(others) >= MIN_TYPES_FOR_BANDWIDTH else "peak × efficiency"
-        return f"{gpu_type}/{precision}: no {kind}history; the catalog's {features}, learnt from {', '.join(others)}"
+        terms = " + ".join(cross_type_terms(len(others)))
+        return f"{gpu_type}/{precision}: no {kind}history; catalog terms {terms}, learnt from {', '.join(others)}"
 
 
 def fit_perf_model(
