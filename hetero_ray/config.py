@@ -125,7 +125,13 @@ class TrainConfig(_Strict):
         None,
         ge=1,
         description="Elastic: after a loss, go on with as few as this many workers, re-planned for the same "
-        "global batch; they grow back at a later restart. None: all devices or none.",
+        "global batch; they grow back when devices return. None: all devices or none.",
+    )
+    resize_check_s: float = Field(
+        60.0,
+        gt=0,
+        description="Elastic: seconds between Ray Train's checks for returned devices; on finding more it "
+        "restarts the group from the last checkpoint with them (ScalingConfig.elastic_resize_monitor_interval_s).",
     )
 
     @field_validator("split")

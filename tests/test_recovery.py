@@ -154,3 +154,33 @@ def test_lost_node_replans_on_the_remaining_type(cluster, tmp_path, reference):
     assert sorted(d["gpu_type"] for d in m["devices"]) == ["V100-16GB", "V100-16GB"]
     assert sum(d["local_batch"] for d in m["devices"]) == cfg["train"]["global_batch"]
     assert max_abs_diff(final_params(result), reference) <= 1e-5
+
+
+def test_run_grows_back_when_the_lost_node_returns(cluster, tmp_path):
+    """Lose the A100 node, let the V100s checkpoint on their own, bring the node back: Ray Train's next
+    resize check restarts the group on all four devices, re-planned again, and the run still ends as one
+    process would."""
+    steps = 120
+    cfg = recovery_config(tmp_path / "runs", "grow", steps=steps, min_workers=1, resize_check_s=2)
+    run_dir = tmp_path / "runs" / "grow"
+    job_id, out = submit(cluster, tmp_path, cfg)
+    wait_for_checkpoint(cluster, job_id, run_dir)
+    cluster.kill_node("A100-80GB")
+    try:
+        before = set(checkpoint_dirs(run_dir))
+        deadline = time.monotonic() + 240
+        # A checkpoint that appears after the loss is the V100s' own.
+        while not [d for d in checkpoint_dirs(run_dir) if d not in before and (d / MANIFEST).exists()]:
+            assert time.monotonic() < deadline, "the V100s wrote no checkpoint after the node loss"
+            assert job_status(cluster, job_id) in ("PENDING", "RUNNING"), ray_cli(cluster, "job", "logs", job_id)[
+                -3000:
+            ]
+            time.sleep(0.5)
+    finally:
+        cluster.add_node("A100-80GB", 2)
+    assert wait_for(cluster, job_id, timeout=400) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    result = json.loads(out.read_text())
+    m = result["metrics"]
+    assert sorted(d["gpu_type"] for d in m["devices"]) == ["A100-80GB"] * 2 + ["V100-16GB"] * 2
+    assert m["resumed_from_step"] > 0 and m["step"] == steps - 1
+    assert max_abs_diff(final_params(result), single_process_reference(steps)) <= 1e-5

@@ -52,13 +52,15 @@ def run_training(cfg: RunConfig, prepared: Prepared | None = None, progress: Any
         # Any device of the run's types: after a loss the workers that remain are re-planned on
         # (a per-worker list would keep asking for the lost type and wait forever).
         workers, selector = (cfg.train.min_workers, cfg.num_workers), {GPU_TYPE_LABEL: f"in({','.join(cfg.devices)})"}
+        elastic = {"elastic_resize_monitor_interval_s": cfg.train.resize_check_s}
     else:
-        workers, selector = cfg.num_workers, [{GPU_TYPE_LABEL: t} for t in rank_types(cfg)]
+        workers, selector, elastic = cfg.num_workers, [{GPU_TYPE_LABEL: t} for t in rank_types(cfg)], {}
     scaling = ScalingConfig(
         num_workers=workers,
         use_gpu=not emulated,
         resources_per_worker={"CPU": 1, EMULATED_RESOURCE: 1} if emulated else {"CPU": 1, "GPU": 1},
         label_selector=selector,
+        **elastic,
     )
     trainer = TorchTrainer(
         train_worker,
