@@ -27,6 +27,7 @@ import platform
 import time
 from pathlib import Path
 
+from hetero_ray.cli import write_json_atomically
 from hetero_ray.cluster.catalog import Catalog, load_catalog
 from hetero_ray.perf.footprint import Footprint, measure_footprint
 from hetero_ray.plan.exhaustive import exhaustive_best_step
@@ -185,7 +186,7 @@ def main() -> None:
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:
-        Path(args.output).write_text(text + "\n")
+        write_json_atomically(Path(args.output), result)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
+from hetero_ray.cli import write_json_atomically
 from hetero_ray.cluster.emulation import EmulatedCluster
 from hetero_ray.config import parse_config
 
@@ -149,8 +150,7 @@ def main() -> int:
     }
     text = json.dumps(result, indent=2)
     print(text)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(text + "\n")
+    write_json_atomically(Path(args.json), result)
     return 0
 
 
