@@ -8,7 +8,7 @@ Predicted: ``Plan.predicted_step_s`` × the run's dilation (the emulated devices
 modelled GPU time stretched by it). Measured: the slowest worker's mean step time over
 the second half of the run (the first half warms up). Emulated figures, labelled so.
 
-Usage: python bench/plan_accuracy.py [--steps 16]   (or through bench/planner.py --measure)
+Usage: python bench/plan_accuracy.py [--steps 16]   (bench/planner.py runs it too, unless --no-measure)
 """
 
 from __future__ import annotations
