@@ -25,10 +25,26 @@ EMULATED_LABEL = "hetero-ray/emulated"
 EMULATED_RESOURCE = "emulated_gpu"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(count: int, taken: set[int]) -> list[int]:
+    """``count`` ports free now, distinct from each other and from ``taken``, which they join.
+
+    The sockets stay bound until all are picked: a port closed at once may be handed out
+    again by the next bind, and two Ray components given one port make ``ray start`` fail.
+    """
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            s = socket.socket()
+            sockets.append(s)
+            s.bind(("127.0.0.1", 0))
+            if (port := s.getsockname()[1]) not in taken:
+                ports.append(port)
+    finally:
+        for s in sockets:
+            s.close()
+    taken.update(ports)
+    return ports
 
 
 def node_layout(devices: Mapping[str, int], gpus_per_node: int) -> list[tuple[str, int]]:
@@ -49,12 +65,16 @@ class EmulatedCluster:
     object_store_bytes: int = 100 * 2**20
     head_cpus: int = 2
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hetero-ray-emulated-")))
-    port: int = field(default_factory=_free_port)
-    dashboard_port: int = field(default_factory=_free_port)
+    port: int = field(init=False)
+    dashboard_port: int = field(init=False)
     # Each raylet's Prometheus endpoint (http://127.0.0.1:<port>/metrics), head first.
     metrics_ports: list[int] = field(default_factory=list, init=False)
     _procs: list[subprocess.Popen] = field(default_factory=list, init=False, repr=False)
     _nodes: list[tuple[str, subprocess.Popen]] = field(default_factory=list, init=False, repr=False)
+    _ports_taken: set[int] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.port, self.dashboard_port = _free_ports(2, self._ports_taken)
 
     @property
     def address(self) -> str:
@@ -78,15 +98,13 @@ class EmulatedCluster:
 
     def _ray_start(self, *args: str, log: str) -> subprocess.Popen:
         # Every raylet on one machine needs its own agent ports; Ray's defaults would collide.
-        chosen = {
-            flag: _free_port()
-            for flag in (
-                "dashboard-agent-listen-port",
-                "dashboard-agent-grpc-port",
-                "metrics-export-port",
-                "runtime-env-agent-port",
-            )
-        }
+        flags = (
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "metrics-export-port",
+            "runtime-env-agent-port",
+        )
+        chosen = dict(zip(flags, _free_ports(len(flags), self._ports_taken), strict=True))
         self.metrics_ports.append(chosen["metrics-export-port"])
         ports = [f"--{flag}={port}" for flag, port in chosen.items()]
         out = open(self.workdir / f"{log}.log", "wb")
