@@ -31,7 +31,7 @@ from hetero_ray.monitor.worker import WorkerMonitor
 from hetero_ray.perf.footprint import STATIC_BYTES_PER_PARAM, Footprint
 from hetero_ray.plan.cost import RECOMPUTE_FACTOR, link_seconds, max_micro_batch
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
-from hetero_ray.train.checkpoint import restore_dir, write_checkpoint
+from hetero_ray.train.checkpoint import latest_valid, restore_dir, write_checkpoint
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.device import torch_device, worker_gpu_type
 from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group, sequence
@@ -120,7 +120,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     else:
         model = workload.model.to(device)
     sync = make_sync(model, cfg, device, role.precision if role else None, buckets)
-    start_step, history = _restore(model, sync)
+    start_step, history = _restore(model, sync, Path(cfg.run.storage_path).expanduser() / cfg.run.name)
     gpu_ids = ray.get_gpu_ids() if device.type == "cuda" else []
     monitor = WorkerMonitor(
         run=cfg.run.name,
@@ -353,15 +353,27 @@ def _report(metrics, whole: tuple[dict, dict] | None, history, step, plan: Plan,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _restore(model, sync) -> tuple[int, list]:
-    """Load the latest checkpoint if Ray Train has one; return (first step to run, loss history)."""
+def _restore(model, sync, run_dir: Path) -> tuple[int, list]:
+    """Load the run's newest checkpoint; return (first step to run, loss history).
+
+    Ray Train registers a checkpoint only after a worker has persisted it, so a worker lost
+    in between leaves a complete checkpoint that ``get_checkpoint()`` does not hand back:
+    where the storage is a directory here, the newest checkpoint in it that verifies wins.
+    """
+    found = latest_valid(run_dir)
+    if found is not None:
+        return _load(found[0], model, sync)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return 0, []
     with checkpoint.as_directory() as latest:
-        # Falls back to the newest older checkpoint of the run that verifies.
+        # Raises when nothing verifies rather than starting again from step 0.
         d, _ = restore_dir(Path(latest), Path(checkpoint.path).parent)
-        model.load_state_dict(torch.load(d / MODEL_FILE, map_location="cpu"))
-        sync.load_state_dict(torch.load(d / OPTIMIZER_FILE, map_location="cpu"))
-        state = json.loads((d / STATE_FILE).read_text())
+        return _load(d, model, sync)
+
+
+def _load(d: Path, model, sync) -> tuple[int, list]:
+    model.load_state_dict(torch.load(d / MODEL_FILE, map_location="cpu"))
+    sync.load_state_dict(torch.load(d / OPTIMIZER_FILE, map_location="cpu"))
+    state = json.loads((d / STATE_FILE).read_text())
     return state["step"] + 1, [tuple(x) for x in state["history"]]
