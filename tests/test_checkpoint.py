@@ -222,6 +222,16 @@ def test_restore_falls_back_to_an_older_ray_checkpoint_of_the_run(tmp_path: Path
     assert any("resuming from the older checkpoint" in r.getMessage() for r in caplog.records)
 
 
+def test_restore_takes_a_newer_checkpoint_ray_train_had_not_registered(tmp_path: Path, caplog) -> None:
+    """A worker lost after persisting step 30 but before Ray Train registered it: Ray hands back step 20."""
+    copies = ray_run_dir(tmp_path, [10, 20, 30])
+    with caplog.at_level(logging.WARNING, logger="hetero_ray.train.checkpoint"):
+        directory, manifest = restore_dir(copies[1], copies[1].parent)
+    assert (directory, manifest.step) == (copies[2], 30)
+    assert any("newer, unregistered" in r.getMessage() for r in caplog.records)
+    assert restore_dir(None, tmp_path / "no-such-run") is None
+
+
 def test_restore_refuses_when_nothing_verifies(tmp_path: Path) -> None:
     copies = ray_run_dir(tmp_path, [10, 20])
     for copy in copies:

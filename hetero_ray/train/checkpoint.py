@@ -11,7 +11,8 @@ With Ray Train the loop writes into a local directory with ``write_checkpoint`` 
 hands it to ``ray.train.report``; Ray copies it, manifest included, to
 ``storage_path/run_name/checkpoint_<timestamp>`` (keeping ``num_to_keep`` of them).
 That copy is not atomic, which is why restore verifies (``restore_dir``) and can
-fall back to an older ``checkpoint_*`` sibling of the same run.
+fall back to an older ``checkpoint_*`` sibling of the same run, or take a newer one
+Ray Train had not registered yet.
 """
 
 from __future__ import annotations
@@ -185,24 +186,26 @@ def latest_valid(root: Path) -> tuple[Path, Manifest] | None:
     return None
 
 
-def restore_dir(latest: Path, run_dir: Path | None = None) -> tuple[Path, Manifest]:
-    """The checkpoint to resume from: ``latest`` if it verifies, else the newest valid one in ``run_dir``.
+def restore_dir(latest: Path | None, run_dir: Path | None = None) -> tuple[Path, Manifest] | None:
+    """The checkpoint to resume from: the newest in ``run_dir`` that verifies, else ``latest``.
 
-    ``latest`` is the directory Ray Train hands back (``ray.train.get_checkpoint()``);
-    ``run_dir`` holds the run's other ``checkpoint_*`` directories (the parent of
-    ``checkpoint.path`` on a local or mounted storage path). Raises
-    ``CorruptCheckpoint`` naming ``latest``'s problem when nothing verifies: silently
-    starting again from step 0 would throw the run's progress away.
+    ``latest`` is the directory Ray Train hands back (``ray.train.get_checkpoint()``, None
+    when it has none); ``run_dir`` holds the run's ``checkpoint_*`` directories where the
+    storage is a directory this process can read. Ray Train registers a checkpoint only
+    after a worker has persisted it, so a worker lost in between leaves ``run_dir`` a
+    complete checkpoint newer than ``latest``; a damaged copy falls back to an older one.
+    None when there is no checkpoint at all. Raises ``CorruptCheckpoint`` naming
+    ``latest``'s problem when nothing verifies: silently starting again from step 0 would
+    throw the run's progress away.
     """
-    try:
-        return Path(latest), verify(latest)
-    except CorruptCheckpoint as exc:
-        logger.warning("latest checkpoint is unusable: %s", exc)
-        found = latest_valid(run_dir) if run_dir is not None else None
-        if found is None:
-            raise
-        logger.warning("resuming from the older checkpoint %s (step %d)", found[0], found[1].step)
-        return found
+    found = latest_valid(run_dir) if run_dir is not None else None
+    if found is None:
+        return None if latest is None else (Path(latest), verify(latest))
+    # By name: Ray Train may spell the storage path otherwise (resolved, without ~).
+    if latest is not None and found[0].name != Path(latest).name:
+        age = "older" if found[0].name < Path(latest).name else "newer, unregistered"
+        logger.warning("resuming from the %s checkpoint %s (step %d)", age, found[0], found[1].step)
+    return found
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,7 @@ from hetero_ray.monitor.worker import WorkerMonitor
 from hetero_ray.perf.footprint import STATIC_BYTES_PER_PARAM, Footprint
 from hetero_ray.plan.cost import RECOMPUTE_FACTOR, link_seconds, max_micro_batch
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
-from hetero_ray.train.checkpoint import latest_valid, restore_dir, write_checkpoint
+from hetero_ray.train.checkpoint import restore_dir, write_checkpoint
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.device import torch_device, worker_gpu_type
 from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group, sequence
@@ -354,26 +354,14 @@ def _report(metrics, whole: tuple[dict, dict] | None, history, step, plan: Plan,
 
 
 def _restore(model, sync, run_dir: Path) -> tuple[int, list]:
-    """Load the run's newest checkpoint; return (first step to run, loss history).
-
-    Ray Train registers a checkpoint only after a worker has persisted it, so a worker lost
-    in between leaves a complete checkpoint that ``get_checkpoint()`` does not hand back:
-    where the storage is a directory here, the newest checkpoint in it that verifies wins.
-    """
-    found = latest_valid(run_dir)
-    if found is not None:
-        return _load(found[0], model, sync)
+    """Load the run's newest checkpoint (``restore_dir``); return (first step to run, loss history)."""
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return 0, []
-    with checkpoint.as_directory() as latest:
-        # Raises when nothing verifies rather than starting again from step 0.
-        d, _ = restore_dir(Path(latest), Path(checkpoint.path).parent)
-        return _load(d, model, sync)
-
-
-def _load(d: Path, model, sync) -> tuple[int, list]:
-    model.load_state_dict(torch.load(d / MODEL_FILE, map_location="cpu"))
-    sync.load_state_dict(torch.load(d / OPTIMIZER_FILE, map_location="cpu"))
-    state = json.loads((d / STATE_FILE).read_text())
+    with checkpoint.as_directory() if checkpoint else nullcontext() as latest:
+        found = restore_dir(latest, run_dir)
+        if found is None:
+            return 0, []
+        d = found[0]
+        model.load_state_dict(torch.load(d / MODEL_FILE, map_location="cpu"))
+        sync.load_state_dict(torch.load(d / OPTIMIZER_FILE, map_location="cpu"))
+        state = json.loads((d / STATE_FILE).read_text())
     return state["step"] + 1, [tuple(x) for x in state["history"]]
