@@ -171,7 +171,9 @@ def cross_type_terms(n_types: int, max_terms: int = len(CROSS_TYPE_TERMS)) -> tu
     return CROSS_TYPE_TERMS[: max(1, min(max_terms, n_types - 1))]
 
 
-def fit_cross_type(points: Sequence[tuple[GpuSpec, str, float]], *, max_terms: int = 3) -> CrossType:
+def fit_cross_type(
+    points: Sequence[tuple[GpuSpec, str, float]], *, max_terms: int = len(CROSS_TYPE_TERMS)
+) -> CrossType:
     """Fit ``CrossType`` to (spec, precision, seconds per sample) measured on other types, by relative error.
 
     ``max_terms=1`` keeps only the compute term (peak × a learnt efficiency), as two
@@ -185,7 +187,7 @@ def fit_cross_type(points: Sequence[tuple[GpuSpec, str, float]], *, max_terms: i
     solved = _relative_lstsq(x[:, : len(terms)], y)
     if solved is None:
         raise NoHistory(f"cross-type fit: no non-negative fit to {len(points)} points")
-    flops, bytes_, host_s = (*solved[0], 0.0, 0.0)[:3]
+    flops, bytes_, host_s = np.pad(solved[0], (0, len(CROSS_TYPE_TERMS) - len(terms)))
     return CrossType(flops=float(flops), bytes=float(bytes_), host_s=float(host_s))
 
 
