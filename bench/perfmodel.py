@@ -10,7 +10,7 @@
   runs them): this host is shared, and wall time also counts other processes' time
   slices. The same profile on the wall clock follows as ``heldout_wall_clock``.
 - cross_gpu_median_ape / cross_gpu_mean_ape: Lambda's measured single-GPU training
-  throughput (../shared/data/lambda-pytorch-train-throughput-fp32.csv). For each
+  throughput (data/reference/lambda-pytorch-train-throughput-fp32.csv). For each
   model and each GPU type, that type is left out and its throughput predicted from
   the other types and the catalog with the model's fallback (``fit_cross_type``:
   seconds per sample = flops ÷ peak + bytes ÷ memory bandwidth + host seconds, all
@@ -51,7 +51,8 @@ from hetero_ray.perf.profiler import ProfileSpec, profile
 from hetero_ray.workloads import Workload, build_workload
 
 REPO = Path(__file__).resolve().parents[1]
-LAMBDA_CSV = REPO.parent / "shared" / "data" / "lambda-pytorch-train-throughput-fp32.csv"
+REFERENCE_DATA = REPO / "data" / "reference"  # third-party data carried in the tree; see its README.md
+LAMBDA_CSV = REFERENCE_DATA / "lambda-pytorch-train-throughput-fp32.csv"
 MICRO_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 GPT_SMALL = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "corpus_bytes": 200_000}
 GPT_MEDIUM = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 32, "corpus_bytes": 200_000}
@@ -227,7 +228,7 @@ def cross_gpu() -> dict:
         **ape_summary(leave_one_type_out(throughput, catalog, max_terms=2), "without_host"),
         "gpu_types": list(throughput.index),
         "lambda_rows_without_catalog_type": skipped,
-        "data": str(LAMBDA_CSV.relative_to(REPO.parent)),
+        "data": str(LAMBDA_CSV.relative_to(REPO)),
     }
 
 

@@ -9,12 +9,18 @@ import pytest
 from hetero_ray.cluster.emulation import EmulatedCluster
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+# Third-party data the tests check against, carried in the tree (sources in data/reference/README.md).
+REFERENCE_DATA = REPO / "data" / "reference"
 
 
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def reference_data() -> Path:
+    return REFERENCE_DATA
 
 
 @pytest.fixture(scope="session")

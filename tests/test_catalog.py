@@ -20,7 +20,7 @@ from hetero_ray.cluster.catalog import (
     load_catalog,
 )
 
-LAMBDA_CSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "lambda-pytorch-train-throughput-fp32.csv"
+LAMBDA_CSV_NAME = "lambda-pytorch-train-throughput-fp32.csv"
 LAMBDA_MODELS = (
     "ssd",
     "bert_base_squad",
@@ -48,10 +48,11 @@ def _no_user_gpus_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def lambda_one_gpu() -> pd.DataFrame:
-    # Fail, never skip: CI clones shared/ beside the repo, so a missing file is a broken setup.
-    assert LAMBDA_CSV.is_file(), f"reference data missing: {LAMBDA_CSV}"
-    table = pd.read_csv(LAMBDA_CSV)
+def lambda_one_gpu(reference_data: Path) -> pd.DataFrame:
+    # Fail, never skip: the file is part of the tree (data/reference/), so a missing one is a broken checkout.
+    csv = reference_data / LAMBDA_CSV_NAME
+    assert csv.is_file(), f"reference data missing: {csv}"
+    table = pd.read_csv(csv)
     return table[table["num_gpu"] == 1].set_index("name_gpu")
 
 
