@@ -61,15 +61,17 @@ def test_pad_sleeps_to_the_modelled_time() -> None:
     modelled = device.pad(started, samples=2)
     elapsed = time.perf_counter() - started
     assert modelled == pytest.approx(0.2, rel=1e-9)
-    assert 0.2 <= elapsed < 0.2 + 0.05
+    # At least its modelled time; no upper bound, which would time this host's scheduler, not the padding.
+    assert elapsed >= 0.2
     assert device.overrun_steps == 0
 
 
-def test_pad_counts_an_overrun_when_the_step_was_slower() -> None:
+def test_pad_counts_an_overrun_when_the_step_was_slower(monkeypatch: pytest.MonkeyPatch) -> None:
     device = a100_device(dilation=10.0)
-    before = time.perf_counter()
-    modelled = device.pad(before - 1.0, samples=2)  # the step already took 1 s > 0.2 s
-    assert time.perf_counter() - before < 0.05
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    modelled = device.pad(time.perf_counter() - 1.0, samples=2)  # the step already took 1 s > 0.2 s
+    assert slept == []  # an overrun step is not padded
     assert modelled == pytest.approx(0.2, rel=1e-9)
     assert device.overrun_steps == 1
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import resource
-import time
 
 import torch
 import torch.nn.functional as F
@@ -60,9 +59,7 @@ def test_declared_flops_override_the_counter() -> None:
 def test_huge_gpt_is_sized_without_allocating() -> None:
     L, C, T, V = 48, 8192, 2048, 256
     peak_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
     fp = measure_footprint(lambda: build_workload("gpt", {"n_layer": L, "n_embd": C, "n_head": 64, "block_size": T}))
-    assert time.perf_counter() - start < 10.0
     # Its fp32 weights alone are 155 GB; the process's peak memory grew by less than 1 GiB.
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_rss_kib < 2**20
     # Per block: LayerNorms 2·2C, qkv 3C² (no bias), proj C²+C, MLP 4C²+4C + 4C²+C → 12C² + 10C.
