@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_demo_trains_and_reports_against_references():
     """The demo starts its own emulated cluster, loss falls, and the summary is labelled emulated."""
@@ -27,4 +29,12 @@ def test_demo_trains_and_reports_against_references():
     assert sum(d["local_batch"] for d in m["devices"]) == m["plan"]["global_batch"]
     summary = result["summary"]
     assert summary["ideal_samples_per_s"] > summary["equal_split_samples_per_s"] > 0
-    assert 0 < summary["over_modelled_ideal"] <= 1.05
+    # The summary's ratios are the run's throughput over the modelled references. How close the
+    # throughput comes to the ideal is a wall-clock ratio, so it is not asserted here: bench/hetero_dp.py
+    # measures it (``balanced_over_ideal`` in docs/measurements/hetero_dp-emulated.json, over an
+    # ideal of each device's measured standalone samples/s).
+    assert summary["samples_per_s"] == m["samples_per_s"] > 0
+    assert summary["over_modelled_ideal"] == pytest.approx(m["samples_per_s"] / summary["ideal_samples_per_s"])
+    assert summary["over_modelled_equal_split"] == pytest.approx(
+        m["samples_per_s"] / summary["equal_split_samples_per_s"]
+    )

@@ -245,7 +245,8 @@ def test_profiler_measures_a_tiny_workload_on_this_cpu():
     )
     rows = result.measurements
     assert [(m.micro_batch, m.precision) for m in rows] == [(1, "fp32"), (4, "fp32")]
-    assert all(0 < m.step_s < 5 and 0 <= m.step_s_spread < 5 for m in rows)
+    # Measured wall times: that they were taken, not how long this host took.
+    assert all(m.step_s > 0 and m.step_s_spread >= 0 for m in rows)
     assert all(m.repeats == 3 and m.threads == 1 and m.gpu_type == CPU and not m.emulated for m in rows)
     assert all(m.clock == "wall" for m in rows)
     assert all(m.memory_source == HOST_MEMORY and m.workload_hash == options_hash(TINY) for m in rows)
