@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hetero_ray.cluster.cpu_slices import check_shares
+
 
 class ConfigError(ValueError):
     """Bad input: the message is one line saying what, where and what would be valid."""
@@ -55,8 +57,18 @@ class DeviceEvent(_Strict):
 
 
 class EmulationConfig(_Strict):
-    """Emulated GPUs: real CPU computation padded to each type's modelled time."""
+    """Emulated GPUs: real CPU computation, padded to each type's modelled time or throttled to a CPU share."""
 
+    mode: Literal["padded", "throttled"] = Field(
+        "padded",
+        description="'padded': every step padded to the catalog's modelled time (speeds known in advance); "
+        "'throttled': each device a cgroup with cpu_share of one core, so its speed is real and must be measured.",
+    )
+    cpu_share: dict[str, float] | None = Field(
+        None,
+        description="throttled: each GPU type's share of one core per device, e.g. {A100-80GB: 0.34}. Read only by "
+        "the emulated cluster; the planner, the performance model and the training loop never see it.",
+    )
     dilation: float | Literal["auto"] = Field(
         "auto",
         description="Multiplies every modelled GPU time so it exceeds this CPU's real compute time; "
@@ -74,6 +86,22 @@ class EmulationConfig(_Strict):
         if v != "auto" and v <= 0:
             raise ValueError("must be > 0 or 'auto'")
         return v
+
+    @model_validator(mode="after")
+    def _shares_with_throttling(self) -> EmulationConfig:
+        if self.mode == "throttled" and self.dilation != "auto":
+            raise ValueError("throttled devices run in real time; drop emulation.dilation (it pads padded devices)")
+        if self.mode == "padded" and self.cpu_share is not None:
+            raise ValueError("cpu_share throttles devices; set emulation.mode: throttled, or drop cpu_share")
+        return self
+
+    @property
+    def throttled(self) -> bool:
+        return self.mode == "throttled"
+
+    def hidden(self) -> EmulationConfig:
+        """This section without ``cpu_share``: what the planner and the workers may see."""
+        return self.model_copy(update={"cpu_share": None})
 
 
 class WorkloadConfig(_Strict):
@@ -227,6 +255,16 @@ class RunConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _shares_fit(self) -> RunConfig:
+        # The shares are checked where they are known; a run on a cluster someone else throttled names none.
+        if self.emulation and self.emulation.cpu_share is not None:
+            try:
+                check_shares(self.devices, self.emulation.cpu_share)
+            except ValueError as exc:
+                raise ValueError(f"emulation.cpu_share: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
     def _min_workers_within_devices(self) -> RunConfig:
         if self.train.min_workers is not None and self.train.min_workers > self.num_workers:
             raise ValueError(
@@ -234,6 +272,12 @@ class RunConfig(_Strict):
                 f"use 1..{self.num_workers}"
             )
         return self
+
+    def hidden(self) -> RunConfig:
+        """The config without the emulation's truth (``cpu_share``): what is handed to the workers."""
+        if self.emulation is None or self.emulation.cpu_share is None:
+            return self
+        return self.model_copy(update={"emulation": self.emulation.hidden()})
 
     @property
     def num_workers(self) -> int:

@@ -1,8 +1,13 @@
-"""An emulated GPU: real computation on CPU, padded to the type's modelled time, under its memory cap.
+"""An emulated GPU: real computation on CPU under the type's memory cap, at a speed set one of two ways.
 
-Relative speeds come from the catalog (peak FLOP/s at the device's precision
-times one efficiency); ``dilation`` stretches every modelled time so that it
-exceeds what this CPU really needs, which is what makes padding possible.
+- *padded*: each step is padded to the type's modelled time. Relative speeds come
+  from the catalog (peak FLOP/s at the device's precision times one efficiency);
+  ``dilation`` stretches every modelled time so that it exceeds what this CPU really
+  needs, which is what makes padding possible.
+- *throttled*: the process runs in a cgroup holding a share of one core
+  (``cluster/cpu_slices.py``); compute takes the time it really takes and nothing
+  here knows the share. Only communication over a named link is padded.
+
 Memory is enforced on what the step really saves for backward, measured with
 autograd's saved-tensor hooks, so an emulated OOM is a measured one.
 """
@@ -43,6 +48,8 @@ class EmulatedDevice:
     flops_per_sample: float
     efficiency: float
     dilation: float
+    # False: a throttled device, whose compute is timed, never padded.
+    padded: bool = True
     overrun_steps: int = field(default=0, init=False)
     comm_overruns: int = field(default=0, init=False)
     # Most bytes held at once under ``memory_cap``: weights and optimizer state plus live activations.
@@ -65,8 +72,11 @@ class EmulatedDevice:
 
         Returns the modelled time. When the CPU was slower than the model, the step
         is not padded and ``overrun_steps`` counts it: the figure is then not the
-        emulated GPU's, and reports say so.
+        emulated GPU's, and reports say so. A throttled device returns the time the
+        step really took.
         """
+        if not self.padded:
+            return time.perf_counter() - started
         modelled = self.modelled_seconds(samples)
         if not _sleep_until(started + modelled):
             self.overrun_steps += 1
@@ -154,7 +164,8 @@ class PaddedModule(torch.nn.Module):
     The backward clock starts when the output's gradient arrives and stops when the
     input's gradient leaves; a stage fed integer tokens starts its backward clock's end
     after its first layer (an embedding lookup, whose backward is a cheap scatter).
-    ``busy_s`` adds up the modelled time, for utilisation.
+    ``busy_s`` adds up the modelled time, for utilisation; on a throttled device,
+    nothing is padded and ``busy_s`` adds up the time compute really took.
     """
 
     def __init__(self, layers: torch.nn.Sequential, emu: EmulatedDevice, micro_batch: int):
@@ -168,11 +179,19 @@ class PaddedModule(torch.nn.Module):
     def _start_backward(self) -> None:
         self._backward_started = time.perf_counter()
 
-    def _end_backward(self) -> None:
-        modelled = self.emu.modelled_seconds(self.micro_batch) * (1 - FORWARD_SHARE)
-        if not _sleep_until(self._backward_started + modelled):
+    def _finish(self, started: float, share: float) -> None:
+        """Pad the part of a micro-batch that began at ``started`` to ``share`` of its modelled time
+        (a throttled device: count the time it took)."""
+        if not self.emu.padded:
+            self.busy_s += time.perf_counter() - started
+            return
+        modelled = self.emu.modelled_seconds(self.micro_batch) * share
+        if not _sleep_until(started + modelled):
             self.emu.overrun_steps += 1
         self.busy_s += modelled
+
+    def _end_backward(self) -> None:
+        self._finish(self._backward_started, 1 - FORWARD_SHARE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
@@ -182,8 +201,5 @@ class PaddedModule(torch.nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             x = _Mark.apply(x, self._end_backward)
         out = rest(x)
-        modelled = self.emu.modelled_seconds(self.micro_batch) * FORWARD_SHARE
-        if not _sleep_until(started + modelled):
-            self.emu.overrun_steps += 1
-        self.busy_s += modelled
+        self._finish(started, FORWARD_SHARE)
         return _Mark.apply(out, self._start_backward) if out.requires_grad else out

@@ -4,7 +4,13 @@ Each emulated node is started with ``ray start`` (as on a real cluster), carries
 the label ``hetero-ray/gpu-type=<catalog name>`` and ``hetero-ray/emulated=true``,
 and offers ``emulated_gpu`` resources, never ``GPU``: nothing emulated can be
 mistaken for a real GPU. Token authentication stays on: the cluster writes its
-own token and every process it starts, and every client, uses it.
+own token and every process it starts, and every client, uses it. Every process
+registers as 127.0.0.1, so Ray's own traffic stays on the loopback interface.
+
+With ``cpu_share`` the devices are *throttled*: each is a cgroup holding that share of
+one core (``cluster/cpu_slices.py``), which the worker driving it joins, so devices
+differ in real speed that hetero-ray must measure. The cgroups go when the cluster
+stops, also on an error, SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
@@ -14,14 +20,20 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hetero_ray.cluster.cpu_slices import CLAIMS_ENV, SLICES_ENV, CpuSlices, check_shares
+
 GPU_TYPE_LABEL = "hetero-ray/gpu-type"
 EMULATED_LABEL = "hetero-ray/emulated"
+LOOPBACK = "127.0.0.1"
+STOP_GRACE_S = 5.0
 EMULATED_RESOURCE = "emulated_gpu"
 
 
@@ -64,6 +76,8 @@ class EmulatedCluster:
     gpus_per_node: int = 2
     object_store_bytes: int = 100 * 2**20
     head_cpus: int = 2
+    # Share of one core per device, by GPU type: throttled devices. None: padded ones (compute unthrottled).
+    cpu_share: Mapping[str, float] | None = None
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hetero-ray-emulated-")))
     port: int = field(init=False)
     dashboard_port: int = field(init=False)
@@ -72,9 +86,22 @@ class EmulatedCluster:
     _procs: list[subprocess.Popen] = field(default_factory=list, init=False, repr=False)
     _nodes: list[tuple[str, subprocess.Popen]] = field(default_factory=list, init=False, repr=False)
     _ports_taken: set[int] = field(default_factory=set, init=False, repr=False)
+    _slices: CpuSlices | None = field(default=None, init=False, repr=False)
+    _sigterm: list = field(default_factory=list, init=False, repr=False)  # the handler to restore, once set
 
     def __post_init__(self) -> None:
+        if self.cpu_share is not None:
+            check_shares(self.devices, self.cpu_share)
         self.port, self.dashboard_port = _free_ports(2, self._ports_taken)
+
+    @property
+    def throttled(self) -> bool:
+        return self.cpu_share is not None
+
+    @property
+    def cgroups(self) -> list[Path]:
+        """The device cgroups this cluster made and has not removed yet."""
+        return list(self._slices.paths.values()) if self._slices else []
 
     @property
     def address(self) -> str:
@@ -94,9 +121,11 @@ class EmulatedCluster:
             "RAY_ADDRESS": self.address,
             "RAY_API_SERVER_ADDRESS": self.dashboard_url,
             "RAY_USAGE_STATS_ENABLED": "0",
+            # Ray's own loopback-only mode: every driver and worker registers as 127.0.0.1.
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         }
 
-    def _ray_start(self, *args: str, log: str) -> subprocess.Popen:
+    def _ray_start(self, *args: str, log: str, env: Mapping[str, str] | None = None) -> subprocess.Popen:
         # Every raylet on one machine needs its own agent ports; Ray's defaults would collide.
         flags = (
             "dashboard-agent-listen-port",
@@ -109,8 +138,18 @@ class EmulatedCluster:
         ports = [f"--{flag}={port}" for flag, port in chosen.items()]
         out = open(self.workdir / f"{log}.log", "wb")
         proc = subprocess.Popen(
-            ["ray", "start", "--block", "--disable-usage-stats", *ports, *args],
-            env=self.env,
+            [
+                sys.executable,
+                "-m",
+                "hetero_ray.cluster.ray_start_loopback",
+                "start",
+                "--block",
+                "--disable-usage-stats",
+                f"--node-ip-address={LOOPBACK}",
+                *ports,
+                *args,
+            ],
+            env={**self.env, **(env or {})},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -120,6 +159,9 @@ class EmulatedCluster:
 
     def start(self, timeout_s: float = 120) -> EmulatedCluster:
         """Start the head and one raylet per emulated node; return when all have joined."""
+        if self.throttled:
+            self._slices = CpuSlices(name=f"hetero-ray-{self.workdir.name}")
+            (self.workdir / "claims").mkdir()
         (self.workdir / "auth_token").write_text(secrets.token_hex(32))
         self._ray_start(
             "--head",
@@ -151,13 +193,19 @@ class EmulatedCluster:
 
     def add_node(self, gpu_type: str, count: int, timeout_s: float = 120) -> None:
         """Start one more emulated node of ``count`` × ``gpu_type`` and wait until it has joined."""
+        name = f"node{len(self._nodes)}-{gpu_type}"
+        env = {}
+        if self._slices is not None:
+            slices = [self._slices.add(f"{name}-{i}", self.cpu_share[gpu_type]) for i in range(count)]
+            env = {SLICES_ENV: ":".join(map(str, slices)), CLAIMS_ENV: str(self.workdir / "claims")}
         proc = self._ray_start(
             f"--address={self.address}",
             f"--num-cpus={count}",
             f"--object-store-memory={self.object_store_bytes}",
             f'--resources={{"{EMULATED_RESOURCE}": {count}}}',
             f"--labels={GPU_TYPE_LABEL}={gpu_type},{EMULATED_LABEL}=true",
-            log=f"node{len(self._nodes)}-{gpu_type}",
+            log=name,
+            env=env,
         )
         self._nodes.append((gpu_type, proc))
         self._wait_for_nodes(1 + len(self._nodes), timeout_s)
@@ -219,13 +267,16 @@ class EmulatedCluster:
                 raise RuntimeError(f"a `ray start` exited with code {proc.returncode} (logs: {self.workdir})")
 
     def stop(self) -> None:
-        """Stop every process this cluster started (and only those)."""
+        """Stop every process this cluster started (and only those), then remove its cgroups."""
         for proc in reversed(self._procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+        # A head that ran Ray Train jobs can take 20 s and more to wind down on SIGTERM; an emulated
+        # cluster keeps nothing worth that wait (its temp dir is its own), so the rest is SIGKILLed.
+        deadline = time.monotonic() + STOP_GRACE_S
         for proc in reversed(self._procs):
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
             try:
@@ -233,13 +284,28 @@ class EmulatedCluster:
             except ProcessLookupError:
                 pass
         self._procs.clear()
+        if self._slices is not None:
+            self._slices.remove()
 
     def __enter__(self) -> EmulatedCluster:
+        # SIGTERM (a job stopped, a CI timeout) unwinds the stack, as Ctrl-C does, so the raylets and
+        # cgroups go with the process instead of outliving it; the exit status is a shell's (143). Only the main thread may set handlers.
+        if threading.current_thread() is threading.main_thread():
+            self._sigterm.append(signal.signal(signal.SIGTERM, _exit_on_signal))
         try:
             return self.start()
         except BaseException:
-            self.stop()
+            self.__exit__()
             raise
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            while self._sigterm:
+                # None: a handler not set from Python; the default is what it did.
+                signal.signal(signal.SIGTERM, self._sigterm.pop() or signal.SIG_DFL)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)

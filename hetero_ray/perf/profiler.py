@@ -12,9 +12,11 @@ an emulated device, which have no allocator statistics, the bytes of parameters,
 gradients and optimizer state plus the bytes autograd saves for backward (the
 quantity the emulated memory cap enforces).
 
-On an emulated device the step time is the type's modelled time (catalog peak ×
+On a padded emulated device the step time is the type's modelled time (catalog peak ×
 efficiency, undilated) and the row says ``emulated=True``; the real step still runs
-once per point, to measure memory and enforce the type's memory as a cap.
+once per point, to measure memory and enforce the type's memory as a cap. A
+throttled emulated device is timed like a real one (wall clock: its CPU share is
+what makes it slow), under the type's memory cap, and its rows say ``emulated=True``.
 
 Half precisions run under autocast, as training does; fp16 steps run without a loss
 scaler (a few elementwise operations per step).
@@ -22,6 +24,7 @@ scaler (a few elementwise operations per step).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -40,6 +43,9 @@ from hetero_ray.perf.history import CPU, CUDA_MEMORY, HOST_MEMORY, Measurement, 
 from hetero_ray.plan.cost import activation_scale
 from hetero_ray.train.precision import autocast
 from hetero_ray.workloads import Workload
+
+# Shortest timed run of steps per repeat on a throttled device: twenty of its 10 ms CFS periods.
+THROTTLED_REPEAT_S = 0.2
 
 ProgressFn = Callable[[int, int], None]
 Clock = Literal["wall", "thread_cpu"]
@@ -85,9 +91,9 @@ class ProfileSpec:
         object.__setattr__(self, "micro_batches", tuple(sorted(set(self.micro_batches))))
         object.__setattr__(self, "precisions", tuple(dict.fromkeys(self.precisions)))
 
-    def steps(self, emulated: bool) -> int:
-        """Steps the profile runs per precision (what a progress bar counts)."""
-        per_point = 2 if emulated else 1 + self.warmup + self.repeats
+    def steps(self, modelled: bool) -> int:
+        """Steps the profile runs per precision (what a progress bar counts); ``modelled``: a padded device."""
+        per_point = 2 if modelled else 1 + self.warmup + self.repeats
         return per_point * len(self.micro_batches)
 
 
@@ -110,11 +116,13 @@ class ProfileResult:
 
 @dataclass(frozen=True, kw_only=True)
 class Emulation:
-    """What prices an emulated device's step: its catalog entry, the efficiency, the workload's FLOPs."""
+    """What prices a padded emulated device's step (its catalog entry, the efficiency, the workload's FLOPs),
+    or, for a throttled one (``padded=False``), only its memory and precisions."""
 
     spec: GpuSpec
     efficiency: float
     flops_per_sample: float
+    padded: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,9 +241,11 @@ def profile(
     total)`` is called after every step, with ``total`` fixed from the start.
     """
     emulated = target.emulated is not None
+    modelled = emulated and target.emulated.padded
     if spec.clock == "thread_cpu" and (emulated or target.device.type != "cpu"):
+        # A throttled device's slowness is the time it waits for its CPU share, which its thread clock omits.
         raise ProfileError("clock: thread_cpu times a CPU's own work; use wall on a GPU or an emulated device")
-    total = spec.steps(emulated) * len(spec.precisions)
+    total = spec.steps(modelled) * len(spec.precisions)
     done = 0
 
     def advance(n: int = 1) -> None:
@@ -251,7 +261,7 @@ def profile(
             reason = _unsupported(precision, target)
             if reason:
                 skipped += [Skipped(micro_batch=b, precision=precision, reason=reason) for b in spec.micro_batches]
-                advance(spec.steps(emulated))
+                advance(spec.steps(modelled))
                 continue
             with _tf32(precision, target.device):
                 points, lost = _profile_precision(factory, spec, precision, target, advance)
@@ -264,7 +274,7 @@ def profile(
                 "emulated": emulated,
                 "precision": precision,
                 "threads": torch.get_num_threads() if target.device.type == "cpu" else 0,
-                "clock": "modelled" if emulated else spec.clock,
+                "clock": "modelled" if modelled else spec.clock,
             }
             rows += [Measurement(**identity, **p) for p in points]
     return ProfileResult(measurements=tuple(rows), skipped=tuple(skipped))
@@ -283,7 +293,8 @@ def _profile_precision(
     batches: dict[int, Any] = {}
     skipped: list[Skipped] = []
     memory: dict[int, int] = {}
-    per_point = spec.steps(emu is not None) // len(spec.micro_batches)
+    modelled = emu is not None and emu.padded
+    per_point = spec.steps(modelled) // len(spec.micro_batches)
 
     for b in spec.micro_batches:
         if b > len(workload.dataset):
@@ -305,7 +316,7 @@ def _profile_precision(
         batches[b] = batch
         advance()
 
-    if emu is not None:
+    if modelled:
         # The type's modelled step, undilated: the emulated device's own model, with nothing to repeat.
         device_model = EmulatedDevice(
             spec=emu.spec,
@@ -320,14 +331,22 @@ def _profile_precision(
             advance()
         return rows, skipped
 
-    for batch in batches.values():
+    block = {b: 1 for b in batches}
+    for b, batch in batches.items():
         for _ in range(spec.warmup):
-            _step(workload, model, optimizer, batch, precision, device)
+            warm = _timed_step(workload, model, optimizer, batch, precision, device, spec.clock)
             advance()
+        if emu is not None and spec.warmup:
+            # A throttled device runs its quota at full speed, then waits out the period: a step shorter than a
+            # few periods would time the burst. Each repeat times enough steps in a row to span them.
+            block[b] = max(1, math.ceil(THROTTLED_REPEAT_S / warm))
     times: dict[int, list[float]] = {b: [] for b in batches}
     for _ in range(spec.repeats):
         for b, batch in batches.items():
-            times[b].append(_timed_step(workload, model, optimizer, batch, precision, device, spec.clock))
+            run = [
+                _timed_step(workload, model, optimizer, batch, precision, device, spec.clock) for _ in range(block[b])
+            ]
+            times[b].append(sum(run) / block[b])
             advance()
     source = CUDA_MEMORY if device.type == "cuda" else HOST_MEMORY
     return [_fields(b, times[b], memory[b], source, repeats=len(times[b])) for b in batches], skipped

@@ -2,8 +2,9 @@
 
 Each actor lands on a node labelled ``hetero-ray/gpu-type=<type>`` (Ray's label
 selector), reads its own device type and whether it is emulated the way training
-workers do, and runs the local profiler there. Emulated nodes give the type's
-modelled time, in rows marked ``emulated=True``. Rows come back to the driver, which
+workers do, and runs the local profiler there. Padded emulated nodes give the
+type's modelled time; on throttled ones the actor joins a device slice first and
+times real steps; both in rows marked ``emulated=True``. Rows come back to the driver, which
 alone appends them to the history file.
 """
 
@@ -19,13 +20,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hetero_ray.cluster.catalog import load_catalog
+from hetero_ray.cluster.catalog import Catalog, load_catalog
+from hetero_ray.cluster.cpu_slices import join_device_slice
 from hetero_ray.cluster.emulation import EMULATED_LABEL, EMULATED_RESOURCE, GPU_TYPE_LABEL
+from hetero_ray.config import EmulationConfig, RunConfig
 from hetero_ray.perf import history
 from hetero_ray.perf.footprint import measure_footprint
 from hetero_ray.perf.history import Measurement
 from hetero_ray.perf.profiler import Emulation, ProfileError, ProfileResult, ProfileSpec, Skipped, Target, profile
 from hetero_ray.train.device import torch_device, worker_gpu_type
+from hetero_ray.train.precision import choose_precision
 from hetero_ray.workloads import build_workload
 
 TypeProgress = Callable[[str, int, int], None]
@@ -58,10 +62,13 @@ class _TypeProfiler:
         gpu_type, emulated = worker_gpu_type(catalog)
         emulation = None
         if emulated:
+            # Kept on the actor: the claim on a throttled device's slice lasts as long as the process.
+            self.claim = join_device_slice()
             emulation = Emulation(
                 spec=catalog.get(gpu_type),
                 efficiency=payload["efficiency"],
                 flops_per_sample=payload["flops_per_sample"],
+                padded=self.claim is None,
             )
         name, options = payload["workload"], payload["options"]
         return profile(
@@ -202,3 +209,30 @@ def render(result: ClusterProfile, console: Console) -> None:
             reasons.setdefault(f"{s.precision}: {s.reason}", []).append(str(s.micro_batch))
         for reason, batches in reasons.items():
             console.print(f"{gpu_type} skipped micro-batches {', '.join(batches)} ({reason})")
+
+
+def run_profile_spec(cfg: RunConfig, catalog: Catalog, repeats: int = 5) -> ProfileSpec:
+    """What to profile before planning ``cfg``: each type's training precision, at micro-batches around an even
+    share of the global batch (the planner prices a type there), wall clock."""
+    even = max(1, cfg.train.global_batch // cfg.num_workers)
+    return ProfileSpec(
+        micro_batches=tuple(sorted({max(1, even // 2), even, 2 * even})),
+        precisions=tuple(sorted({choose_precision(catalog.get(t), cfg.train.precision) for t in cfg.devices})),
+        repeats=repeats,
+    )
+
+
+def profile_run(cfg: RunConfig, history_path: str, console: Console) -> RunConfig:
+    """Profile ``cfg``'s workload on every GPU type of the connected cluster (progress bars), append the rows to
+    ``history_path``, and return ``cfg`` planned from that history (``profile_history``)."""
+    catalog = load_catalog(cfg.gpus_file)
+    profile_to_history(
+        history_path,
+        cfg.workload.name,
+        cfg.workload.options,
+        run_profile_spec(cfg, catalog),
+        efficiency=cfg.emulation.efficiency if cfg.emulation else EmulationConfig().efficiency,
+        gpus_file=cfg.gpus_file,
+        console=console,
+    )
+    return cfg.model_copy(update={"profile_history": history_path})

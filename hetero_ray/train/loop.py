@@ -33,7 +33,7 @@ from hetero_ray.plan.cost import RECOMPUTE_FACTOR, link_seconds, max_micro_batch
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
 from hetero_ray.train.checkpoint import restore_dir, write_checkpoint
 from hetero_ray.train.data import GlobalBatches, collate
-from hetero_ray.train.device import torch_device, worker_gpu_type
+from hetero_ray.train.device import enter_device, torch_device, worker_gpu_type
 from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group, sequence
 from hetero_ray.train.precision import autocast
 from hetero_ray.train.prepare import plan_for
@@ -77,6 +77,8 @@ def train_worker(payload: dict[str, Any]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     gpu_type, emulated = worker_gpu_type(catalog)
+    # Held for the worker's life: the claim on its throttled device's CPU slice.
+    device_slice = enter_device(cfg, emulated)
     rank_types: list[str] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(rank_types, gpu_type)
     plan = _plan(payload, cfg, rank_types, catalog, footprint, emulated)
@@ -103,6 +105,7 @@ def train_worker(payload: dict[str, Any]) -> None:
             * (RECOMPUTE_FACTOR if role.activation_checkpointing else 1.0),
             efficiency=payload["efficiency"],
             dilation=payload["dilation"],
+            padded=device_slice is None,
         )
         if emulated and role
         else None

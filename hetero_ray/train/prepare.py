@@ -194,7 +194,8 @@ def prepare(cfg: RunConfig, plan_path: str | None = None) -> Prepared:
         plan = replace(plan, emulated=emulated)
     dilation = None
     if cfg.emulation is not None:
-        dilation = cfg.emulation.dilation
+        # Throttled devices are timed, not padded: their seconds are real ones.
+        dilation = 1.0 if cfg.emulation.throttled else cfg.emulation.dilation
         if dilation == "auto":
             dilation = calibrate_dilation(cfg, plan)
     return Prepared(catalog=catalog, footprint=footprint, plan=plan, efficiency=efficiency, dilation=dilation)

@@ -65,7 +65,8 @@ def run_training(cfg: RunConfig, prepared: Prepared | None = None, progress: Any
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={
-            "config": cfg.model_dump(),
+            # The workers measure their speeds; the emulation's shares stay with the cluster.
+            "config": cfg.hidden().model_dump(),
             "footprint": asdict(prepared.footprint),
             "efficiency": prepared.efficiency,
             "dilation": prepared.dilation,

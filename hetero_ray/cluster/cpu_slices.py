@@ -1,0 +1,150 @@
+"""Throttled emulated devices: one Linux cgroup per device, each a CFS quota of CPU time.
+
+The emulated cluster creates the cgroups (it alone knows each type's share); a worker
+process that drives a device claims one of its node's slices and moves itself into
+it, so only training and profiling processes are throttled, never raylets, agents or
+the driver. A worker learns nothing about its speed here: it gets a directory to join,
+and measures how fast it is like a process on a real GPU does.
+
+cgroup v1 (``cpu`` controller: ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``) and v2
+(``cpu.max``) are both supported.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# What the machine keeps for Ray itself (raylets, GCS, agents, the driver) beyond the devices' slices.
+RESERVED_CORES = 0.5
+# A short period keeps throttling smooth: a device runs 10 ms windows, not 100 ms bursts.
+PERIOD_US = 10_000
+# The node's slices, ':'-separated, in the environment of its raylet (and so of its workers), and the
+# folder of their claim files (a cgroup folder holds no files of ours).
+SLICES_ENV = "HETERO_RAY_DEVICE_SLICES"
+CLAIMS_ENV = "HETERO_RAY_SLICE_CLAIMS"
+V1_ROOT = Path("/sys/fs/cgroup/cpu")
+V2_ROOT = Path("/sys/fs/cgroup/unified")
+
+
+class CgroupError(RuntimeError):
+    """No cgroup with a writable cpu controller; the message says what was tried."""
+
+
+def _is_v2(root: Path) -> bool:
+    return (root / "cgroup.controllers").exists()
+
+
+def find_cpu_root(candidates: tuple[Path, ...] = (V1_ROOT, V2_ROOT)) -> Path:
+    """The first cgroup hierarchy whose cpu controller this process may create groups in."""
+    tried = []
+    for root in candidates:
+        usable = (root / "cpu.cfs_quota_us").exists() or (
+            _is_v2(root) and "cpu" in (root / "cgroup.controllers").read_text().split()
+        )
+        if usable and os.access(root, os.W_OK):
+            return root
+        tried.append(str(root))
+    raise CgroupError(
+        f"throttled devices need a writable cgroup cpu controller; none at {', '.join(tried)} "
+        "(run as root, or use emulation.mode: padded)"
+    )
+
+
+@dataclass
+class CpuSlices:
+    """The cgroups of one emulated cluster: ``create`` them, ``remove`` them (also with processes inside)."""
+
+    name: str
+    root: Path = field(default_factory=find_cpu_root)
+    paths: dict[str, Path] = field(default_factory=dict, init=False)
+
+    @property
+    def base(self) -> Path:
+        return self.root / self.name
+
+    def add(self, slice_name: str, share: float) -> Path:
+        """A cgroup ``slice_name`` limited to ``share`` of one core; the cluster's own group is made on first use."""
+        if not self.base.exists():
+            self.base.mkdir()
+            if _is_v2(self.root):
+                (self.base / "cgroup.subtree_control").write_text("+cpu")
+        path = self.base / slice_name
+        path.mkdir()
+        quota = max(1000, round(share * PERIOD_US))
+        if _is_v2(self.root):
+            (path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+        else:
+            (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (path / "cpu.cfs_quota_us").write_text(str(quota))
+        self.paths[slice_name] = path
+        return path
+
+    def remove(self, timeout_s: float = 10.0) -> None:
+        """Move any process still inside to the root group, then delete every cgroup of this cluster."""
+        if not self.base.exists():
+            return
+        deadline = time.monotonic() + timeout_s
+        for path in [*self.base.iterdir()]:
+            if not path.is_dir():
+                continue
+            while True:
+                for pid in (path / "cgroup.procs").read_text().split():
+                    try:
+                        (self.root / "cgroup.procs").write_text(pid)
+                    except (ProcessLookupError, OSError):
+                        pass  # it exited meanwhile
+                try:
+                    path.rmdir()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+        self.base.rmdir()
+        self.paths.clear()
+
+
+def check_shares(devices: Mapping[str, int], shares: Mapping[str, float], cores: int | None = None) -> None:
+    """Raise ``ValueError`` (one line) unless every device type has a share and all slices fit the machine."""
+    missing = [t for t in devices if t not in shares]
+    if missing:
+        raise ValueError(f"no CPU share for {', '.join(missing)}; give each device type one, e.g. {{{missing[0]}: 0.2}}")
+    bad = {t: s for t, s in shares.items() if not 0 < s <= 1}
+    if bad:
+        raise ValueError(f"shares are fractions of one core in (0, 1] (got {bad})")
+    cores = cores or os.cpu_count() or 1
+    total = sum(n * shares[t] for t, n in devices.items())
+    if total > cores - RESERVED_CORES:
+        raise ValueError(
+            f"the devices' shares add up to {total:.2f} cores; this machine has {cores}, and Ray needs "
+            f"{RESERVED_CORES} of them: at most {cores - RESERVED_CORES:g} in all"
+        )
+
+
+def join_device_slice(env: Mapping[str, str] = os.environ) -> tuple[Path, int] | None:
+    """Claim a free slice of this node and move this whole process into it; ``None`` on an unthrottled node.
+
+    The claim is an exclusive lock on the slice's file in the claims folder, held by the returned
+    descriptor for the life of the process: a dead worker's slice is free again for the
+    one Ray starts after it. Keep the descriptor open.
+    """
+    listed = env.get(SLICES_ENV)
+    if not listed:
+        return None
+    slices = [Path(p) for p in listed.split(":")]
+    claims = Path(env[CLAIMS_ENV])
+    for path in slices:
+        fd = os.open(claims / f"{path.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        (path / "cgroup.procs").write_text(str(os.getpid()))
+        return path, fd
+    raise CgroupError(f"every device slice of this node is taken ({', '.join(map(str, slices))})")

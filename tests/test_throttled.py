@@ -1,0 +1,201 @@
+"""Throttled emulated devices: CPU slices (cgroups) whose speeds hetero-ray has to measure.
+
+One throttled cluster for the module: an A100-80GB given a whole core and a V100-16GB
+given 0.4 of one (2.5 : 1), each its own node and cgroup. Nothing but the cluster knows
+the shares: the profile measures them, the plan follows the profile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from cluster_jobs import (
+    final_params,
+    max_abs_diff,
+    ray_cli,
+    run_config,
+    single_process_reference,
+    submit,
+    wait_for,
+)
+
+from hetero_ray.cluster.catalog import load_catalog
+from hetero_ray.cluster.cpu_slices import RESERVED_CORES, check_shares
+from hetero_ray.cluster.emulation import EmulatedCluster
+from hetero_ray.config import ConfigError, parse_config
+from hetero_ray.perf import history
+from hetero_ray.perf.footprint import measure_footprint
+from hetero_ray.train.prepare import plan_for
+from hetero_ray.workloads import build_workload
+
+SHARES = {"A100-80GB": 1.0, "V100-16GB": 0.4}
+TRUE_RATIO = SHARES["A100-80GB"] / SHARES["V100-16GB"]
+# Small enough to keep its working set in cache: a slice's process loses its caches while it
+# waits out its period, which at a low share makes a step cost more CPU time (seen here: +35%
+# at 0.2 of a core on a larger GPT), and the measured ratio would then be the workload's, not the shares'.
+PROFILE_OPTIONS = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "corpus_bytes": 20_000}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with EmulatedCluster({"A100-80GB": 1, "V100-16GB": 1}, gpus_per_node=1, cpu_share=SHARES) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def profiled(cluster, tmp_path_factory) -> Path:
+    """`hetero-ray profile` on the throttled nodes (wall clock), into a fresh history."""
+    path = tmp_path_factory.mktemp("profile") / "history.parquet"
+    argv = ["--history", str(path), "--options", json.dumps(PROFILE_OPTIONS), "--micro-batches", "2,8"]
+    done = subprocess.run(
+        [sys.executable, "-m", "hetero_ray.cli", "profile", *argv, "--repeats", "5"],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return path
+
+
+def test_every_node_registers_on_loopback(cluster):
+    nodes = json.loads(ray_cli(cluster, "list", "nodes", "--format", "json"))
+    assert len(nodes) == 3 and {n["node_ip"] for n in nodes} == {"127.0.0.1"}
+
+
+def test_each_device_has_its_own_slice(cluster):
+    assert len(cluster.cgroups) == 2 and all(p.is_dir() for p in cluster.cgroups)
+    if (cluster.cgroups[0] / "cpu.cfs_quota_us").exists():
+        quotas = sorted(int((p / "cpu.cfs_quota_us").read_text()) for p in cluster.cgroups)
+        assert quotas == [4000, 10000]
+
+
+def test_profile_measures_the_shares(profiled):
+    """The throttled devices' measured step times are in the shares' ratio, ±10 %."""
+    table = history.load(profiled)
+    assert table["emulated"].all() and (table["clock"] == "wall").all()
+    step = table.set_index(["gpu_type", "micro_batch"])["step_s"]
+    for b in (2, 8):
+        ratio = step["V100-16GB", b] / step["A100-80GB", b]
+        assert ratio == pytest.approx(TRUE_RATIO, rel=0.10), (b, step.to_dict())
+
+
+def test_plan_from_the_profile_splits_by_the_true_ratio(profiled):
+    """From the profile alone (the catalog says A100 : V100 = 1.24 : 1 in fp32), the shares come within
+    10 % of the slices' 2.5 : 1."""
+    cfg = parse_config(
+        {
+            "devices": {"A100-80GB": 1, "V100-16GB": 1},
+            "emulation": {"mode": "throttled"},
+            "workload": {"name": "gpt", "options": PROFILE_OPTIONS},
+            "train": {"global_batch": 14, "precision": "fp32", "split": "proportional"},
+            "profile_history": str(profiled),
+        }
+    )
+    catalog = load_catalog()
+    footprint = measure_footprint(lambda: build_workload("gpt", PROFILE_OPTIONS))
+    plan = plan_for(cfg, ["A100-80GB", "V100-16GB"], catalog, footprint, 0.4, emulated=True)
+    shares = {r.gpu_type: r.local_batch for r in plan.roles}
+    assert shares["A100-80GB"] / shares["V100-16GB"] == pytest.approx(TRUE_RATIO, rel=0.10), shares
+    catalog_plan = plan_for(
+        cfg.model_copy(update={"profile_history": None}),
+        ["A100-80GB", "V100-16GB"],
+        catalog,
+        footprint,
+        0.4,
+        emulated=True,
+    )
+    assert {r.gpu_type: r.local_batch for r in catalog_plan.roles} != shares
+
+
+def test_split_invariance_on_throttled_devices(cluster, tmp_path):
+    """2 : 1 on the throttled A100 and V100 ends where one process on the full batch does (1e-5, fp32)."""
+    cfg = run_config(tmp_path / "runs", "throttled")
+    cfg["devices"] = {"A100-80GB": 1, "V100-16GB": 1}
+    cfg["emulation"] = {"mode": "throttled", "gpus_per_node": 1}
+    job_id, out = submit(cluster, tmp_path, cfg)
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    result = json.loads(out.read_text())
+    m = result["metrics"]
+    assert {d["gpu_type"]: d["local_batch"] for d in m["devices"]} == {"A100-80GB": 8, "V100-16GB": 4}
+    assert all(d["overrun_steps"] == 0 for d in m["devices"])  # nothing is padded on throttled devices
+    assert max_abs_diff(final_params(result), single_process_reference()) <= 1e-5
+
+
+def test_a_padded_run_refuses_a_throttled_node(cluster, tmp_path):
+    """The modes of the config and of the cluster must agree: padded times and real ones mean different things."""
+    cfg = run_config(tmp_path / "runs", "mismatch")
+    cfg["devices"] = {"A100-80GB": 1, "V100-16GB": 1}
+    cfg["emulation"]["gpus_per_node"] = 1
+    cfg["train"].update(split="equal", max_failures=0)
+    job_id, _ = submit(cluster, tmp_path, cfg)
+    assert wait_for(cluster, job_id) == "FAILED"
+    assert "has throttled device slices" in ray_cli(cluster, "job", "logs", job_id)
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    from hetero_ray.cluster.emulation import EmulatedCluster
+    with EmulatedCluster({"V100-16GB": 1}, gpus_per_node=1, cpu_share={"V100-16GB": 0.3}) as c:
+        print(c.cgroups[0].parent, c.workdir, flush=True)
+        sys.stdin.readline()  # a line: leave normally; else wait for a signal
+    """
+)
+
+
+def _raylets_of(workdir: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-f", f"raylet.*{workdir}"], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize("how", ["exit", "sigterm"])
+def test_cgroups_and_raylets_are_gone_after_the_cluster_stops(how):
+    """On a normal stop and on SIGTERM, the cluster leaves no cgroup and no raylet behind."""
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    base, workdir = proc.stdout.readline().split()
+    assert Path(base).is_dir() and _raylets_of(workdir)
+    if how == "sigterm":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    assert proc.wait(timeout=120) == (0 if how == "exit" else 128 + signal.SIGTERM)
+    assert not Path(base).exists()
+    assert _raylets_of(workdir) == []
+
+
+def test_shares_must_fit_the_machine():
+    cores = os.cpu_count()
+    with pytest.raises(ValueError, match="add up to"):
+        check_shares({"V100-16GB": 2 * cores}, {"V100-16GB": 1.0})
+    with pytest.raises(ValueError, match="no CPU share for A100-80GB"):
+        check_shares({"A100-80GB": 1}, {"V100-16GB": 0.2})
+    check_shares({"V100-16GB": 1}, {"V100-16GB": min(1.0, cores - RESERVED_CORES)})
+
+
+@pytest.mark.parametrize(
+    ("emulation", "message"),
+    [
+        ({"mode": "padded", "cpu_share": {"V100-16GB": 0.2}}, "set emulation.mode: throttled"),
+        ({"mode": "throttled", "dilation": 10}, "drop emulation.dilation"),
+        ({"mode": "throttled", "cpu_share": {"V100-16GB": 50}}, "emulation.cpu_share"),
+    ],
+)
+def test_inconsistent_emulation_is_one_line(emulation, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_config({"devices": {"V100-16GB": 1}, "emulation": emulation})
+    assert "\n" not in str(err.value)
+
+
+def test_hidden_config_carries_no_shares():
+    cfg = parse_config({"devices": {"V100-16GB": 1}, "emulation": {"mode": "throttled", "cpu_share": SHARES}})
+    assert cfg.hidden().emulation.cpu_share is None and cfg.hidden().emulation.throttled
+    assert "cpu_share" not in json.dumps(cfg.hidden().model_dump(exclude_none=True))
