@@ -17,6 +17,7 @@ from ranks import run_ranks
 from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.cluster.emulated_device import EmulatedDevice, PaddedModule
 from hetero_ray.config import parse_config
+from hetero_ray.plan.cost import p2p_seconds
 from hetero_ray.plan.plan import WorkerRole
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.loop import local_backward
@@ -164,3 +165,29 @@ def test_padded_stage_takes_its_modelled_forward_and_backward_time() -> None:
     assert t1 - t0 >= modelled / 3
     assert t2 - t1 >= 2 * modelled / 3
     assert stage.busy_s == pytest.approx(modelled)
+
+
+def test_a_middle_stage_waits_out_its_messages_on_the_named_link() -> None:
+    """A middle stage on a throttled device pads nothing but the link: its received activations and their
+    gradient each take bytes ÷ bandwidth + latency, the planner's price of a stage-to-stage message."""
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(256, 256))
+    emu = EmulatedDevice(
+        spec=load_catalog().get("V100-16GB"),
+        precision="fp32",
+        flops_per_sample=1.0,
+        efficiency=1.0,
+        dilation=1.0,
+        padded=False,
+    )
+    bandwidth, latency = 2e6, 0.01  # 16 samples × 256 fp32 = 16 KiB: 8.2 ms + 10 ms each way
+    message = p2p_seconds(256 * 4, 16, bandwidth, latency)
+    stage = PaddedModule(layers, emu, 16, link=(bandwidth, latency), first=False, last=False)
+    x = torch.randn(16, 256, requires_grad=True)
+    t0 = time.perf_counter()
+    out = stage(x)
+    t1 = time.perf_counter()
+    out.backward(torch.ones_like(out))
+    t2 = time.perf_counter()
+    assert t1 - t0 >= message and t2 - t1 >= message
+    assert 0 < stage.busy_s < (t2 - t0) - 2 * message + 1e-3  # compute is timed, the link is not compute

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hetero_ray.cluster.catalog import GpuSpec
-from hetero_ray.plan.cost import activation_scale, compute_seconds
+from hetero_ray.plan.cost import activation_scale, compute_seconds, link_seconds
 
 GiB = 2**30
 
@@ -82,14 +82,14 @@ class EmulatedDevice:
             self.overrun_steps += 1
         return modelled
 
-    def pad_comm(self, started: float, link_seconds: float) -> float:
-        """Sleep until the communication that began at ``started`` has taken ``link_seconds`` × dilation.
+    def pad_comm(self, started: float, seconds: float) -> float:
+        """Sleep until the communication that began at ``started`` has taken ``seconds`` on the link × dilation.
 
         The same dilation as compute keeps the emulated hardware's compute :
         communication ratio. Returns the modelled time; ``comm_overruns`` counts
         the times loopback was slower than the modelled link.
         """
-        modelled = self.dilation * link_seconds
+        modelled = self.dilation * seconds
         if not _sleep_until(started + modelled):
             self.comm_overruns += 1
         return modelled
@@ -153,7 +153,7 @@ class _Mark(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.hook()
+        ctx.hook(grad)
         return grad, None
 
 
@@ -166,17 +166,39 @@ class PaddedModule(torch.nn.Module):
     after its first layer (an embedding lookup, whose backward is a cheap scatter).
     ``busy_s`` adds up the modelled time, for utilisation; on a throttled device,
     nothing is padded and ``busy_s`` adds up the time compute really took.
+
+    With a ``link`` (bytes/s, latency s), each message this stage receives from a
+    neighbour (activations forward unless it is the first stage, their gradient
+    backward unless it is the last) arrives after bytes ÷ bandwidth + latency, as the
+    planner prices it (``plan.cost.p2p_seconds``), × dilation as all emulated communication.
     """
 
-    def __init__(self, layers: torch.nn.Sequential, emu: EmulatedDevice, micro_batch: int):
+    def __init__(
+        self,
+        layers: torch.nn.Sequential,
+        emu: EmulatedDevice,
+        micro_batch: int,
+        *,
+        link: tuple[float, float] | None = None,
+        first: bool = True,
+        last: bool = True,
+    ):
         super().__init__()
         self.layers = layers
         self.micro_batch = micro_batch
         self.emu = emu
+        self.link, self.first, self.last = link, first, last
         self.busy_s = 0.0
         self._backward_started = 0.0
 
-    def _start_backward(self) -> None:
+    def _receive(self, message: torch.Tensor) -> None:
+        """Wait out a received message's time on the link (× dilation, as all emulated communication)."""
+        bandwidth, latency = self.link
+        time.sleep(self.emu.dilation * link_seconds(message.numel() * message.element_size(), 1, bandwidth, latency))
+
+    def _start_backward(self, grad: torch.Tensor) -> None:
+        if self.link and not self.last:
+            self._receive(grad)
         self._backward_started = time.perf_counter()
 
     def _finish(self, started: float, share: float) -> None:
@@ -190,10 +212,12 @@ class PaddedModule(torch.nn.Module):
             self.emu.overrun_steps += 1
         self.busy_s += modelled
 
-    def _end_backward(self) -> None:
+    def _end_backward(self, grad: torch.Tensor) -> None:
         self._finish(self._backward_started, 1 - FORWARD_SHARE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.link and not self.first:
+            self._receive(x)
         started = time.perf_counter()
         rest = self.layers
         if not x.is_floating_point():

@@ -118,7 +118,8 @@ def train_worker(payload: dict[str, Any]) -> None:
         for i in stage_layers if role else ():
             layers[i].to(device)
         if len(ranks) > 1:
-            stage = Stage(workload, role, group, ranks, cfg.train.global_batch, device, emu, plan.schedule)
+            link = (cfg.link.bandwidth_bytes_s, cfg.link.latency_s) if cfg.link else None
+            stage = Stage(workload, role, group, ranks, cfg.train.global_batch, device, emu, plan.schedule, link)
         model = workload.model
     else:
         model = workload.model.to(device)

@@ -105,6 +105,7 @@ class Stage:
         device: torch.device,
         emu: EmulatedDevice | None,
         schedule: str = "gpipe",
+        link: tuple[float, float] | None = None,
     ):
         layered = workload.layered
         layers = list(layered.layers(workload.model))
@@ -113,7 +114,11 @@ class Stage:
         self.is_first, self.is_last = first == 0, last == len(layers)
         self.module = nn.Sequential(*layers[first:last])
         runnable = sequence(layers[first:last], checkpointing=role.activation_checkpointing)
-        self.padded = PaddedModule(runnable, emu, role.micro_batch) if emu else None
+        self.padded = (
+            PaddedModule(runnable, emu, role.micro_batch, link=link, first=self.is_first, last=self.is_last)
+            if emu
+            else None
+        )
         self.stage = PipelineStage(_Float32Output(self.padded or runnable), role.stage, len(ranks), device, group=group)
         # new_group orders a group's ranks ascending; stage s lives on ranks[s].
         ascending = sorted(ranks)
