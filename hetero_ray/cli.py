@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -34,10 +35,10 @@ def write_json_atomically(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _finish(result, args, console: Console) -> None:
+def _finish(result, args, console: Console, extra: dict[str, Any] | None = None) -> None:
     from hetero_ray.train.summary import render, summarise
 
-    out = {**result.to_dict(), "summary": summarise(result.metrics, result.dilation)}
+    out = {**result.to_dict(), "summary": summarise(result.metrics, result.dilation), **(extra or {})}
     if args.output:
         write_json_atomically(Path(args.output), out)
     if args.json:
@@ -65,70 +66,122 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _demo_config(args: argparse.Namespace) -> RunConfig:
+def _demo_config(args: argparse.Namespace, console: Console) -> RunConfig:
+    from hetero_ray.cluster.cpu_slices import CgroupError, find_cpu_root
+
     train = {"duration_s": args.duration} if args.duration else {}
     cfg = load_config(args.config, {"train": train})
+    if cfg.emulation is None:
+        raise ConfigError(f"{args.config}: the demo needs an 'emulation' section")
+    if cfg.emulation.throttled:
+        try:
+            find_cpu_root()
+        except CgroupError as exc:
+            console.print(f"[yellow]{exc}: this demo runs padded devices instead[/yellow]")
+            cfg = cfg.model_copy(
+                update={"emulation": cfg.emulation.model_copy(update={"mode": "padded", "cpu_share": None})}
+            )
     # A fresh run name each time: the demo never resumes an older demo.
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"demo-{time.strftime('%Y%m%d-%H%M%S')}"})})
 
 
+def _train_with_progress(cfg: RunConfig, prepared, console: Console, label: str):
+    """``run_training`` in a thread, with a live progress bar fed by rank 0's reports."""
+    from ray.util.queue import Empty, Queue
+
+    from hetero_ray.train.trainer import run_training
+
+    queue = Queue(actor_options={"num_cpus": 0})
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = run_training(cfg, prepared, progress=queue)
+        except BaseException as exc:  # re-raised in the main thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    total = cfg.train.duration_s or cfg.train.steps
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task(f"{label}: starting workers…", total=total)
+        while thread.is_alive():
+            try:
+                m = queue.get(timeout=1)
+            except Empty:
+                continue
+            done = m["elapsed_s"] if cfg.train.duration_s else m["step"] + 1
+            bar.update(
+                task,
+                completed=min(done, total),
+                description=(
+                    f"{label}: step {m['step'] + 1} loss {m['loss']:.3f} {m['samples_per_s']:.1f} samples/s (emulated)"
+                ),
+            )
+    queue.shutdown()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
-    """Start the emulated cluster, train on it with a live progress display, print the summary."""
+    """Start the emulated cluster; on throttled devices profile them first; train an equal split, then the
+    planned one, with live progress; print where each device's step time went."""
     from hetero_ray.cluster.emulation import EmulatedCluster
 
-    cfg = _demo_config(args)
-    if cfg.emulation is None:
-        raise ConfigError(f"{args.config}: the demo needs an 'emulation' section")
-    cluster = EmulatedCluster(cfg.devices, gpus_per_node=cfg.emulation.gpus_per_node)
+    cfg = _demo_config(args, console)
+    cluster = EmulatedCluster(cfg.devices, gpus_per_node=cfg.emulation.gpus_per_node, cpu_share=cfg.emulation.cpu_share)
     # Ray reads its authentication mode once, at import: the token must be in the
     # environment before `import ray` in this process.
     os.environ.update(cluster.env)
     import ray
-    from ray.util.queue import Empty, Queue
 
+    from hetero_ray.perf.remote import profile_run
     from hetero_ray.train.prepare import prepare
-    from hetero_ray.train.trainer import run_training
+    from hetero_ray.train.summary import breakdown, plot_breakdown, render_speeds
 
-    prepared = prepare(cfg)
-    console.print(f"[bold]plan[/bold] (emulated): {prepared.plan.explanation}")
-    try:
-        with console.status("starting the emulated cluster (one Ray raylet per emulated node)…"):
-            cluster.start()
+    prepared = prepare(cfg)  # bad input fails here, before any cluster starts
+    mode = cfg.emulation.mode
+    run_dir = Path(cfg.run.storage_path).expanduser() / cfg.run.name
+    with contextlib.ExitStack() as stack:
+        with console.status(f"starting the emulated cluster ({mode} devices, one Ray raylet per emulated node)…"):
+            stack.enter_context(cluster)
         ray.init(address=cluster.address, log_to_driver=args.verbose)
-        console.print(f"emulated cluster up: {dict(cfg.devices)}; dashboard {cluster.dashboard_url}")
-        queue = Queue(actor_options={"num_cpus": 0})
-        outcome: dict[str, Any] = {}
-
-        def fit() -> None:
-            try:
-                outcome["result"] = run_training(cfg, prepared, progress=queue)
-            except BaseException as exc:  # re-raised in the main thread
-                outcome["error"] = exc
-
-        thread = threading.Thread(target=fit, daemon=True)
-        thread.start()
-        total = cfg.train.duration_s or cfg.train.steps
-        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as bar:
-            task = bar.add_task("starting workers…", total=total)
-            while thread.is_alive():
-                try:
-                    m = queue.get(timeout=1)
-                except Empty:
-                    continue
-                done = m["elapsed_s"] if cfg.train.duration_s else m["step"] + 1
-                bar.update(
-                    task,
-                    completed=min(done, total),
-                    description=(
-                        f"step {m['step'] + 1} loss {m['loss']:.3f} {m['samples_per_s']:.1f} samples/s (emulated)"
-                    ),
-                )
-        if "error" in outcome:
-            raise outcome["error"]
-        _finish(outcome["result"], args, console)
-    finally:
-        ray.shutdown()
-        cluster.stop()
+        stack.callback(ray.shutdown)
+        console.print(f"emulated cluster up ({mode}): {dict(cfg.devices)}; dashboard {cluster.dashboard_url}")
+        if cfg.emulation.throttled:
+            # Throttled devices' speeds are unknown until measured: profile, then plan from the profile.
+            cfg = profile_run(cfg, str(run_dir / "profile.parquet"), console)
+            prepared = prepare(cfg)
+        equal_cfg = cfg.model_copy(
+            update={
+                # A quarter of the planned run: long enough for a warm window to compare with.
+                "train": cfg.train.model_copy(
+                    update={
+                        "split": "equal",
+                        "steps": max(1, cfg.train.steps // 4),
+                        "duration_s": cfg.train.duration_s / 4 if cfg.train.duration_s else None,
+                    }
+                ),
+                "run": cfg.run.model_copy(update={"name": f"{cfg.run.name}-equal"}),
+            }
+        )
+        equal = _train_with_progress(equal_cfg, prepare(equal_cfg), console, "equal split")
+        console.print(f"[bold]plan[/bold] (emulated, {mode}): {prepared.plan.explanation}")
+        result = _train_with_progress(cfg, prepared, console, "planned split")
+    png = run_dir / "step-breakdown.png"
+    runs = {"equal split": equal.metrics, "planned split": result.metrics}
+    plot_breakdown(runs, png, title=f"where each device's step goes (emulated, {mode})")
+    extra = {
+        "emulation_mode": mode,
+        "equal_split": {"samples_per_s": equal.metrics["samples_per_s"], "step_s": equal.metrics["step_s"]},
+        "breakdown": {label: breakdown(m) for label, m in runs.items()},
+        "breakdown_png": str(png),
+    }
+    _finish(result, args, console, extra)
+    if not args.json:
+        render_speeds(result.metrics, prepared.catalog, console, profiled=cfg.profile_history is not None)
+        console.print(f"step-time breakdown: {png}")
     return 0
 
 

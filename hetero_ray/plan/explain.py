@@ -166,5 +166,5 @@ def explain(space: Space, shape: Shape, alloc: Allocation, plan: Plan) -> str:
             f"{plan.predicted_comm_fp32_s * 1e3:.3g} ms in fp32"
         )
     if plan.emulated:
-        lines.append("devices are emulated: times are modelled GPU times, computed on CPU")
+        lines.append("devices are emulated on CPU: times are what the plan was given (catalog, or a profile of them)")
     return "; ".join(lines)
