@@ -1,16 +1,20 @@
 """The share sweep against a fine grid on the emulated 2 × A100-80GB + 4 × V100-16GB cluster, measured in one run.
 
-Prints one JSON object (all figures emulated, and labelled so) and writes it to
-docs/measurements/tune-emulated.json:
+Prints one JSON object (all figures emulated, and labelled with their mode) and writes it to
+docs/measurements/tune-<mode>.json:
 - best_over_grid_best: the sweep's best measured samples/s ÷ the best of a fine grid over the
   A100 : V100 weight ratio (target ≥ 0.98);
-- trials_over_grid_trials: the sweep's trials ÷ the grid's (target ≤ 0.40).
+- trials_over_grid_trials: the sweep's trials ÷ the grid's (target ≤ 0.40);
+- best_over_catalog: the sweep's best ÷ its first trial, the catalog's prediction (throttled
+  mode, where the devices are CPU slices the catalog does not know: target ≥ 1.05).
 
 Every trial, grid or sweep, is the same short run of ``run_training`` on all six workers
-(samples/s of its last window), under one dilation calibrated once and scaled by
---dilation-factor so steps are padding-bound. The grid spans the sweep's own space
-(×/÷ --spread around the planner's ratio), evenly in log.
-Usage: python bench/tune.py [--grid-points 13] [--trials 5] [--steps 12] [--windows 2]
+(samples/s of its last window). Padded mode: under one dilation calibrated once and scaled by
+--dilation-factor so steps are padding-bound. Throttled mode: in real time, on slices of 0.34 and
+0.19 of a core (1.8 : 1, where the catalog's bf16 : fp16 peaks guess 2.5 : 1), with a longer
+sequence and batch so compute dominates the all-reduce the slices also run. The grid spans the
+sweep's own space (×/÷ --spread around the prediction), evenly in log.
+Usage: python bench/tune.py [--mode throttled|padded] [--grid-points 13] [--trials 5] [--steps 12] [--windows 2]
 """
 
 from __future__ import annotations
@@ -31,14 +35,16 @@ from hetero_ray.config import parse_config
 
 DEVICES = {"A100-80GB": 2, "V100-16GB": 4}
 WORKLOAD = {"name": "gpt", "options": {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64}}
-OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "measurements" / "tune-emulated.json"
+THROTTLED_WORKLOAD = {"name": "gpt", "options": {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 128}}
+CPU_SHARE = {"A100-80GB": 0.34, "V100-16GB": 0.19}
+MEASUREMENTS = Path(__file__).resolve().parent.parent / "docs" / "measurements"
 
 
-def started_cluster(console: Console, attempts: int = 3) -> EmulatedCluster:
+def started_cluster(console: Console, cpu_share: dict | None, attempts: int = 3) -> EmulatedCluster:
     """The emulated cluster, started; on a loaded shared host a raylet can miss Ray's registration deadline,
     so a failed start is retried (fresh ports, fresh processes) up to ``attempts`` times."""
     for attempt in range(attempts):
-        cluster = EmulatedCluster(DEVICES)
+        cluster = EmulatedCluster(DEVICES, cpu_share=cpu_share)
         try:
             return cluster.start()
         except (RuntimeError, TimeoutError) as exc:
@@ -55,12 +61,16 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=5, help="sweep trials (the prediction first)")
     parser.add_argument("--steps", type=int, default=12, help="steps per trial")
     parser.add_argument("--windows", type=int, default=2, help="reports per trial (the last one is measured)")
-    parser.add_argument("--global-batch", type=int, default=144)
+    parser.add_argument("--mode", choices=("padded", "throttled"), default="throttled")
+    parser.add_argument("--global-batch", type=int, help="default 144 padded, 576 throttled")
     parser.add_argument("--spread", type=float, default=2.0, help="search and grid within ×/÷ this of the prediction")
     parser.add_argument("--dilation-factor", type=float, default=1.5, help="× the calibrated dilation")
     parser.add_argument("--output-dir", default="/tmp/hetero-ray-bench-tune", help="sweep CSV, PNG, best config")
-    parser.add_argument("--json", default=str(OUTPUT), help="where to write the JSON")
+    parser.add_argument("--json", help="where to write the JSON (default docs/measurements/tune-<mode>.json)")
     args = parser.parse_args()
+    throttled = args.mode == "throttled"
+    args.global_batch = args.global_batch or (576 if throttled else 144)
+    args.json = args.json or str(MEASUREMENTS / f"tune-{'throttled' if throttled else 'emulated'}.json")
 
     from tuning.results import best_trial, trials_frame
     from tuning.space import WEIGHT_PREFIX, share_space
@@ -70,8 +80,8 @@ def main() -> int:
     out = Path(args.output_dir) / time.strftime("%Y%m%d-%H%M%S")
     raw = {
         "devices": DEVICES,
-        "emulation": {"dilation": "auto", "gpus_per_node": 2},
-        "workload": WORKLOAD,
+        "emulation": {"mode": "throttled"} if throttled else {"dilation": "auto", "gpus_per_node": 2},
+        "workload": THROTTLED_WORKLOAD if throttled else WORKLOAD,
         "train": {"global_batch": args.global_batch, "steps": 100},
         "run": {"name": "bench-tune", "storage_path": str(out / "runs")},
     }
@@ -79,14 +89,16 @@ def main() -> int:
         trials=args.trials, steps=args.steps, windows=args.windows, spread=args.spread, output_dir=out
     )
     speeds, calibrated = predicted_speeds(parse_config(raw), settings)
-    dilation = calibrated * args.dilation_factor
-    raw["emulation"]["dilation"] = dilation  # one dilation for every trial, grid and sweep
+    dilation = None
+    if not throttled:
+        dilation = calibrated * args.dilation_factor
+        raw["emulation"]["dilation"] = dilation  # one dilation for every trial, grid and sweep
     cfg = parse_config(raw)
     space = share_space(cfg, speeds, spread=args.spread)
     searched = next(iter(space.bounds))
     console = Console(stderr=True)
 
-    cluster = started_cluster(console)
+    cluster = started_cluster(console, CPU_SHARE if throttled else None)
     os.environ.update(cluster.env)  # before `import ray`: Ray reads its auth mode at import
     import ray
     from ray import tune
@@ -120,10 +132,13 @@ def main() -> int:
         cols = [f"{WEIGHT_PREFIX}{searched}", *shares, "samples_per_s", "windows", "complete", "overrun_steps"]
         return frame[cols].rename(columns={f"{WEIGHT_PREFIX}{searched}": "weight_ratio"}).to_dict("records")
 
+    catalog = sweep.trials.iloc[0]  # the first trial evaluates the prediction
     result = {
         "emulated": True,
+        "mode": args.mode,
+        **({"cpu_share": CPU_SHARE} if throttled else {}),
         "cluster": DEVICES,
-        "workload": f"gpt 2 layers x 64, block 64, global batch {args.global_batch}",
+        "workload": f"gpt 2 layers x 64, block {cfg.workload.options['block_size']}, global batch {args.global_batch}",
         "dilation": dilation,
         "steps_per_trial": args.steps,
         "windows_per_trial": args.windows,
@@ -141,6 +156,8 @@ def main() -> int:
         "sweep_best_weight_ratio": float(sweep_best[f"{WEIGHT_PREFIX}{searched}"]),
         "best_over_grid_best": float(sweep_best["samples_per_s"] / grid_best["samples_per_s"]),
         "trials_over_grid_trials": len(sweep.trials) / len(grid),
+        "catalog_samples_per_s": float(catalog["samples_per_s"]),
+        "best_over_catalog": float(sweep_best["samples_per_s"] / catalog["samples_per_s"]),
         "grid": rows(grid),
         "sweep": rows(sweep.trials),
         "sweep_files": {"csv": str(sweep.csv), "plot": str(sweep.plot), "best_config": str(sweep.best_config)},

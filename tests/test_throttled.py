@@ -32,6 +32,7 @@ from hetero_ray.cluster.emulation import EmulatedCluster
 from hetero_ray.config import ConfigError, parse_config
 from hetero_ray.perf import history
 from hetero_ray.perf.footprint import measure_footprint
+from hetero_ray.perf.remote import device_labels
 from hetero_ray.train.prepare import plan_for
 from hetero_ray.workloads import build_workload
 
@@ -72,9 +73,16 @@ def test_every_node_registers_on_loopback(cluster):
 
 def test_each_device_has_its_own_slice(cluster):
     assert len(cluster.cgroups) == 2 and all(p.is_dir() for p in cluster.cgroups)
-    if (cluster.cgroups[0] / "cpu.cfs_quota_us").exists():
-        quotas = sorted(int((p / "cpu.cfs_quota_us").read_text()) for p in cluster.cgroups)
-        assert quotas == [4000, 10000]
+    quota = {p.name: p / "cpu.cfs_quota_us" for p in cluster.cgroups}
+    if all(q.exists() for q in quota.values()):  # cgroup v1; v2 keeps both figures in cpu.max
+        assert sorted(int(q.read_text()) for q in quota.values()) == [4000, 10000]
+        v100 = next(q for name, q in quota.items() if "V100" in name)
+        cluster.set_cpu_share("V100-16GB", 0, 0.2)  # a device that slows down, as bench/rebalance.py does
+        assert int(v100.read_text()) == 2000
+        cluster.set_cpu_share("V100-16GB", 0, SHARES["V100-16GB"])
+        assert int(v100.read_text()) == 4000
+    with pytest.raises(ValueError, match="no emulated V100-16GB #1"):
+        cluster.set_cpu_share("V100-16GB", 1, 0.2)
 
 
 def test_profile_measures_the_shares(profiled):
@@ -199,3 +207,14 @@ def test_hidden_config_carries_no_shares():
     cfg = parse_config({"devices": {"V100-16GB": 1}, "emulation": {"mode": "throttled", "cpu_share": SHARES}})
     assert cfg.hidden().emulation.cpu_share is None and cfg.hidden().emulation.throttled
     assert "cpu_share" not in json.dumps(cfg.hidden().model_dump(exclude_none=True))
+
+
+def test_a_run_profiles_every_device_it_will_use():
+    """Before a throttled run each of its devices is profiled at once, so each is timed beside the others."""
+    labels = device_labels({"A100-80GB": True, "V100-16GB": True}, {"A100-80GB": 1, "V100-16GB": 2})
+    assert labels == {
+        "A100-80GB (emulated)": "A100-80GB",
+        "V100-16GB (emulated) #0": "V100-16GB",
+        "V100-16GB (emulated) #1": "V100-16GB",
+    }
+    assert device_labels({"H100-80GB": False}, None) == {"H100-80GB": "H100-80GB"}

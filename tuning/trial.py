@@ -33,7 +33,8 @@ def trial_config(base: RunConfig, params: Mapping[str, Any], reference: str, dil
         "train": base.train.model_copy(update=train),
         "run": base.run.model_copy(update={"name": f"{base.run.name}-{time.time_ns()}"}),
     }
-    if base.emulation is not None:
+    if base.emulation is not None and not base.emulation.throttled:
+        # Throttled devices run in real time: there is no dilation to fix.
         update["emulation"] = base.emulation.model_copy(update={"dilation": dilation})
     return RunConfig.model_validate({**base.model_dump(), **{k: v.model_dump() for k, v in update.items()}})
 

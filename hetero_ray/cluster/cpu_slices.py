@@ -75,14 +75,19 @@ class CpuSlices:
                 (self.base / "cgroup.subtree_control").write_text("+cpu")
         path = self.base / slice_name
         path.mkdir()
+        self.paths[slice_name] = path
+        self.set_share(slice_name, share)
+        return path
+
+    def set_share(self, slice_name: str, share: float) -> None:
+        """Give slice ``slice_name`` ``share`` of one core from now on (a device that slows down or recovers)."""
+        path = self.paths[slice_name]
         quota = max(1000, round(share * PERIOD_US))
         if _is_v2(self.root):
             (path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
         else:
             (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
             (path / "cpu.cfs_quota_us").write_text(str(quota))
-        self.paths[slice_name] = path
-        return path
 
     def remove(self, timeout_s: float = 10.0) -> None:
         """Move any process still inside to the root group, then delete every cgroup of this cluster."""
@@ -113,7 +118,9 @@ def check_shares(devices: Mapping[str, int], shares: Mapping[str, float], cores:
     """Raise ``ValueError`` (one line) unless every device type has a share and all slices fit the machine."""
     missing = [t for t in devices if t not in shares]
     if missing:
-        raise ValueError(f"no CPU share for {', '.join(missing)}; give each device type one, e.g. {{{missing[0]}: 0.2}}")
+        raise ValueError(
+            f"no CPU share for {', '.join(missing)}; give each device type one, e.g. {{{missing[0]}: 0.2}}"
+        )
     bad = {t: s for t, s in shares.items() if not 0 < s <= 1}
     if bad:
         raise ValueError(f"shares are fractions of one core in (0, 1] (got {bad})")

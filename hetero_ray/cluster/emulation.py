@@ -87,6 +87,7 @@ class EmulatedCluster:
     _nodes: list[tuple[str, subprocess.Popen]] = field(default_factory=list, init=False, repr=False)
     _ports_taken: set[int] = field(default_factory=set, init=False, repr=False)
     _slices: CpuSlices | None = field(default=None, init=False, repr=False)
+    _slice_types: list[tuple[str, str]] = field(default_factory=list, init=False, repr=False)  # (GPU type, slice)
     _sigterm: list = field(default_factory=list, init=False, repr=False)  # the handler to restore, once set
 
     def __post_init__(self) -> None:
@@ -196,6 +197,7 @@ class EmulatedCluster:
         name = f"node{len(self._nodes)}-{gpu_type}"
         env = {}
         if self._slices is not None:
+            self._slice_types += [(gpu_type, f"{name}-{i}") for i in range(count)]
             slices = [self._slices.add(f"{name}-{i}", self.cpu_share[gpu_type]) for i in range(count)]
             env = {SLICES_ENV: ":".join(map(str, slices)), CLAIMS_ENV: str(self.workdir / "claims")}
         proc = self._ray_start(
@@ -209,6 +211,15 @@ class EmulatedCluster:
         )
         self._nodes.append((gpu_type, proc))
         self._wait_for_nodes(1 + len(self._nodes), timeout_s)
+
+    def set_cpu_share(self, gpu_type: str, index: int, share: float) -> None:
+        """Throttled devices: give the ``index``-th device of ``gpu_type`` (in node order) ``share`` of a core."""
+        if self._slices is None:
+            raise ValueError("only a throttled cluster (cpu_share) has CPU shares to change")
+        names = [n for t, n in self._slice_types if t == gpu_type]
+        if not 0 <= index < len(names):
+            raise ValueError(f"no emulated {gpu_type} #{index}; this cluster has {len(names)} of that type")
+        self._slices.set_share(names[index], share)
 
     def kill_node(self, gpu_type: str) -> None:
         """Kill the first live node of ``gpu_type`` at once (raylet and its workers), as a lost machine."""

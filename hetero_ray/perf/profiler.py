@@ -44,8 +44,8 @@ from hetero_ray.plan.cost import activation_scale
 from hetero_ray.train.precision import autocast
 from hetero_ray.workloads import Workload
 
-# Shortest timed run of steps per repeat on a throttled device: twenty of its 10 ms CFS periods.
-THROTTLED_REPEAT_S = 0.2
+# Shortest timed run of steps per repeat on a throttled device: fifty of its 10 ms CFS periods.
+THROTTLED_REPEAT_S = 0.5
 
 ProgressFn = Callable[[int, int], None]
 Clock = Literal["wall", "thread_cpu"]

@@ -10,7 +10,7 @@ alone appends them to the history file.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -77,7 +77,7 @@ class _TypeProfiler:
             workload_name=name,
             options=options,
             target=Target(gpu_type=gpu_type, device=torch_device(emulated), emulated=emulation),
-            on_progress=lambda done, total: queue.put_nowait((gpu_type, done, total)),
+            on_progress=lambda done, total: queue.put_nowait((payload["label"], done, total)),
         )
 
 
@@ -90,13 +90,16 @@ def profile_cluster(
     efficiency: float,
     gpus_file: str | None = None,
     gpu_types: Mapping[str, bool] | None = None,
+    per_type: Mapping[str, int] | None = None,
     on_progress: TypeProgress | None = None,
 ) -> ClusterProfile:
     """Profile ``workload`` on one device of every GPU type of the connected cluster, all types at once.
 
     ``gpu_types`` (type → emulated?) defaults to every labelled type alive;
+    ``per_type`` profiles that many devices of a type at once (every device of a run: each is timed
+    while the others compute, as in training, and every one's rows go to the history);
     ``flops_per_sample`` and ``efficiency`` price emulated devices.
-    ``on_progress(type, done, total)`` is called as steps finish.
+    ``on_progress(device, done, total)`` is called as steps finish (``device``: a label from ``device_labels``).
     """
     from ray.util.queue import Empty, Queue
 
@@ -116,10 +119,10 @@ def profile_cluster(
         "flops_per_sample": flops_per_sample,
     }
     actors, pending = [], {}
-    for gpu_type, emulated in types.items():
-        resources = {"num_cpus": 1, "resources": {EMULATED_RESOURCE: 1}} if emulated else {"num_gpus": 1}
+    for label, gpu_type in device_labels(types, per_type).items():
+        resources = {"num_cpus": 1, "resources": {EMULATED_RESOURCE: 1}} if types[gpu_type] else {"num_gpus": 1}
         actors.append(_TypeProfiler.options(label_selector={GPU_TYPE_LABEL: gpu_type}, **resources).remote())
-        pending[actors[-1].run.remote(payload, queue)] = gpu_type
+        pending[actors[-1].run.remote({**payload, "label": label}, queue)] = label
     results: dict[str, ProfileResult] = {}
     try:
         while pending:
@@ -135,23 +138,32 @@ def profile_cluster(
         for actor in actors:
             ray.kill(actor)
         queue.shutdown()
+    labels = device_labels(types, per_type)
     return ClusterProfile(
-        measurements=tuple(m for t in types for m in results[t].measurements),
-        skipped={t: results[t].skipped for t in types},
+        measurements=tuple(m for label in labels for m in results[label].measurements),
+        skipped={t: results[next(k for k, v in labels.items() if v == t)].skipped for t in types},
     )
 
 
+def device_labels(types: Mapping[str, bool], per_type: Mapping[str, int] | None) -> dict[str, str]:
+    """Label → GPU type of each device a profile runs on: the type's name, with ``#i`` when it profiles several."""
+    labels = {}
+    for gpu_type, emulated in types.items():
+        n = (per_type or {}).get(gpu_type, 1)
+        tag = f"{gpu_type}{' (emulated)' if emulated else ''}"
+        labels |= {(f"{tag} #{i}" if n > 1 else tag): gpu_type for i in range(n)}
+    return labels
+
+
 @contextmanager
-def progress_bars(console: Console, types: Mapping[str, bool]) -> Iterator[TypeProgress]:
-    """A rich progress display with one bar per GPU type; yields the ``on_progress`` callback."""
+def progress_bars(console: Console, labels: Iterable[str]) -> Iterator[TypeProgress]:
+    """A rich progress display with one bar per device label; yields the ``on_progress`` callback."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:
-        tasks = {
-            t: bar.add_task(f"{t}{' (emulated)' if emulated else ''}", total=None) for t, emulated in types.items()
-        }
+        tasks = {label: bar.add_task(label, total=None) for label in labels}
 
-        def update(gpu_type: str, done: int, total: int) -> None:
-            bar.update(tasks[gpu_type], completed=done, total=total)
+        def update(label: str, done: int, total: int) -> None:
+            bar.update(tasks[label], completed=done, total=total)
 
         yield update
 
@@ -165,14 +177,16 @@ def profile_to_history(
     efficiency: float,
     gpus_file: str | None,
     console: Console,
+    per_type: Mapping[str, int] | None = None,
 ) -> ClusterProfile:
-    """Profile every GPU type of the connected cluster with progress bars, then append the rows to the history."""
+    """Profile every GPU type of the connected cluster with progress bars, then append the rows to the history
+    (``per_type``: as ``profile_cluster``)."""
     types = cluster_gpu_types()
     # Only emulated devices need the FLOP count (it prices their modelled time).
     flops = (
         measure_footprint(lambda: build_workload(workload, options)).flops_per_sample if any(types.values()) else 0.0
     )
-    with progress_bars(console, types) as update:
+    with progress_bars(console, device_labels(types, per_type)) as update:
         result = profile_cluster(
             workload,
             options,
@@ -181,6 +195,7 @@ def profile_to_history(
             efficiency=efficiency,
             gpus_file=gpus_file,
             gpu_types=types,
+            per_type=per_type,
             on_progress=update,
         )
     history.append(history_path, result.measurements)
@@ -223,8 +238,9 @@ def run_profile_spec(cfg: RunConfig, catalog: Catalog, repeats: int = 5) -> Prof
 
 
 def profile_run(cfg: RunConfig, history_path: str, console: Console) -> RunConfig:
-    """Profile ``cfg``'s workload on every GPU type of the connected cluster (progress bars), append the rows to
-    ``history_path``, and return ``cfg`` planned from that history (``profile_history``)."""
+    """Profile ``cfg``'s workload on every device of the connected cluster that the run will use, all at once
+    (each then computes beside the others, as in the run), append the rows to ``history_path``, and return
+    ``cfg`` planned from that history (``profile_history``)."""
     catalog = load_catalog(cfg.gpus_file)
     profile_to_history(
         history_path,
@@ -234,5 +250,6 @@ def profile_run(cfg: RunConfig, history_path: str, console: Console) -> RunConfi
         efficiency=cfg.emulation.efficiency if cfg.emulation else EmulationConfig().efficiency,
         gpus_file=cfg.gpus_file,
         console=console,
+        per_type=cfg.devices,
     )
     return cfg.model_copy(update={"profile_history": history_path})
