@@ -1,7 +1,8 @@
 """Throttled emulated devices: CPU slices (cgroups) whose speeds hetero-ray has to measure.
 
-One throttled cluster for the module: an A100-80GB given a whole core and a V100-16GB
-given 0.4 of one (2.5 : 1), each its own node and cgroup. Nothing but the cluster knows
+One throttled cluster for the module: an A100-80GB given 0.95 of a core and a V100-16GB
+0.38 of one (2.5 : 1), each its own node and cgroup. Not a whole core for the A100: the
+machine's other processes would then take part of it (2.15 : 1 seen in CI). Nothing but the cluster knows
 the shares: the profile measures them, the plan follows the profile.
 """
 
@@ -36,7 +37,7 @@ from hetero_ray.perf.remote import device_labels
 from hetero_ray.train.prepare import plan_for
 from hetero_ray.workloads import build_workload
 
-SHARES = {"A100-80GB": 1.0, "V100-16GB": 0.4}
+SHARES = {"A100-80GB": 0.95, "V100-16GB": 0.38}
 TRUE_RATIO = SHARES["A100-80GB"] / SHARES["V100-16GB"]
 # Small enough to keep its working set in cache: a slice's process loses its caches while it
 # waits out its period, which at a low share makes a step cost more CPU time (seen here: +35%
@@ -56,7 +57,7 @@ def profiled(cluster, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("profile") / "history.parquet"
     argv = ["--history", str(path), "--options", json.dumps(PROFILE_OPTIONS), "--micro-batches", "2,8"]
     done = subprocess.run(
-        [sys.executable, "-m", "hetero_ray.cli", "profile", *argv, "--repeats", "5"],
+        [sys.executable, "-m", "hetero_ray.cli", "profile", *argv, "--repeats", "7"],
         env=cluster.env,
         capture_output=True,
         text=True,
@@ -75,12 +76,12 @@ def test_each_device_has_its_own_slice(cluster):
     assert len(cluster.cgroups) == 2 and all(p.is_dir() for p in cluster.cgroups)
     quota = {p.name: p / "cpu.cfs_quota_us" for p in cluster.cgroups}
     if all(q.exists() for q in quota.values()):  # cgroup v1; v2 keeps both figures in cpu.max
-        assert sorted(int(q.read_text()) for q in quota.values()) == [4000, 10000]
+        assert sorted(int(q.read_text()) for q in quota.values()) == [3800, 9500]
         v100 = next(q for name, q in quota.items() if "V100" in name)
         cluster.set_cpu_share("V100-16GB", 0, 0.2)  # a device that slows down, as bench/rebalance.py does
         assert int(v100.read_text()) == 2000
         cluster.set_cpu_share("V100-16GB", 0, SHARES["V100-16GB"])
-        assert int(v100.read_text()) == 4000
+        assert int(v100.read_text()) == 3800
     with pytest.raises(ValueError, match="no emulated V100-16GB #1"):
         cluster.set_cpu_share("V100-16GB", 1, 0.2)
 
