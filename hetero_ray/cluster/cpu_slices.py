@@ -57,7 +57,8 @@ def find_cpu_root(candidates: tuple[Path, ...] = (V1_ROOT, V2_ROOT)) -> Path:
 
 @dataclass
 class CpuSlices:
-    """The cgroups of one emulated cluster: ``create`` them, ``remove`` them (also with processes inside)."""
+    """The cgroups of one emulated cluster: ``add`` one per device, ``set_share`` to change one, ``remove`` them all
+    (also with processes inside)."""
 
     name: str
     root: Path = field(default_factory=find_cpu_root)
@@ -101,7 +102,7 @@ class CpuSlices:
                 for pid in (path / "cgroup.procs").read_text().split():
                     try:
                         (self.root / "cgroup.procs").write_text(pid)
-                    except (ProcessLookupError, OSError):
+                    except OSError:
                         pass  # it exited meanwhile
                 try:
                     path.rmdir()

@@ -118,8 +118,9 @@ def profile_cluster(
         "efficiency": efficiency,
         "flops_per_sample": flops_per_sample,
     }
+    labels = device_labels(types, per_type)
     actors, pending = [], {}
-    for label, gpu_type in device_labels(types, per_type).items():
+    for label, gpu_type in labels.items():
         resources = {"num_cpus": 1, "resources": {EMULATED_RESOURCE: 1}} if types[gpu_type] else {"num_gpus": 1}
         actors.append(_TypeProfiler.options(label_selector={GPU_TYPE_LABEL: gpu_type}, **resources).remote())
         pending[actors[-1].run.remote({**payload, "label": label}, queue)] = label
@@ -138,7 +139,6 @@ def profile_cluster(
         for actor in actors:
             ray.kill(actor)
         queue.shutdown()
-    labels = device_labels(types, per_type)
     return ClusterProfile(
         measurements=tuple(m for label in labels for m in results[label].measurements),
         skipped={t: results[next(k for k, v in labels.items() if v == t)].skipped for t in types},
