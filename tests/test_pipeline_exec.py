@@ -31,7 +31,7 @@ CONFIG = {"devices": {"A100-80GB": 1}, "train": {"global_batch": GLOBAL_BATCH, "
 
 
 def role(
-    pipeline: int, stage: int, layers: tuple[int, int], local: int, micro: int, offset: int, ckpt: bool = False
+    pipeline: int, stage: int, layers: tuple[int, int] | None, local: int, micro: int, offset: int, ckpt: bool = False
 ) -> WorkerRole:
     return WorkerRole(
         gpu_type="A100-80GB",
@@ -64,6 +64,12 @@ PLANS = {
             role(0, 0, (0, 1), 6, 3, 0),
             role(1, 1, (3, 4), 6, 2, 6),
         ],
+    ),
+    # Pipeline 0 a whole-model replica as the planner writes one (no layer range), before a two-stage one:
+    # the whole state is gathered from pipeline 0.
+    "whole first": (
+        "1f1b",
+        [role(0, 0, None, 4, 2, 0), role(1, 0, (0, 2), 8, 2, 4), role(1, 1, (2, 4), 8, 2, 4)],
     ),
     # 1F1B with activation checkpointing in the pipeline and in the whole-model worker.
     "1f1b checkpointed": (

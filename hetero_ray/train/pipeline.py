@@ -177,7 +177,8 @@ def gather_whole_state(
     role = roles[rank]
     if role is not None and role.pipeline == 0:
         names = {id(m): n for n, m in model.named_modules()}
-        first, last = role.layers
+        # Pipeline 0 may be one whole-model replica beside staged pipelines.
+        first, last = role.layers or (0, len(layers))
         part = (
             {f"{names[id(layer)]}.{k}": v for layer in layers[first:last] for k, v in layer.state_dict().items()},
             sync.state_dict(),
