@@ -82,6 +82,8 @@ def test_each_device_has_its_own_slice(cluster):
         assert int(v100.read_text()) == 2000
         cluster.set_cpu_share("V100-16GB", 0, SHARES["V100-16GB"])
         assert int(v100.read_text()) == 3800
+        # The devices' group outweighs every other process, so a busy machine does not slow a device.
+        assert int((cluster.cgroups[0].parent / "cpu.shares").read_text()) == 262_144
     with pytest.raises(ValueError, match="no emulated V100-16GB #1"):
         cluster.set_cpu_share("V100-16GB", 1, 0.2)
 

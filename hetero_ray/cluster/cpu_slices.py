@@ -28,6 +28,7 @@ PERIOD_US = 10_000
 SLICES_ENV = "HETERO_RAY_DEVICE_SLICES"
 CLAIMS_ENV = "HETERO_RAY_SLICE_CLAIMS"
 V1_ROOT = Path("/sys/fs/cgroup/cpu")
+MAX_SHARES_V1, MAX_WEIGHT_V2 = 262_144, 10_000
 V2_ROOT = Path("/sys/fs/cgroup/unified")
 
 
@@ -72,8 +73,13 @@ class CpuSlices:
         """A cgroup ``slice_name`` limited to ``share`` of one core; the cluster's own group is made on first use."""
         if not self.base.exists():
             self.base.mkdir()
+            # The highest weight: when the machine is busy, the devices still get their whole quota first, as a
+            # GPU's speed does not depend on its host's load; the quotas alone keep Ray's processes their cores.
             if _is_v2(self.root):
                 (self.base / "cgroup.subtree_control").write_text("+cpu")
+                (self.base / "cpu.weight").write_text(str(MAX_WEIGHT_V2))
+            else:
+                (self.base / "cpu.shares").write_text(str(MAX_SHARES_V1))
         path = self.base / slice_name
         path.mkdir()
         self.paths[slice_name] = path
