@@ -185,3 +185,26 @@ def test_checkpointed_data_parallel_devices_stay_within_memory():
     assert any(r.layers is None and r.activation_checkpointing for p in plans for r in p.roles)
     for p in plans:
         check_invariants(p, ranks, len(fp.layers))
+
+
+def test_a_fixed_cost_per_micro_batch_makes_pipelines_use_larger_ones(catalog):
+    """Measured speeds that include a fixed cost per forward and backward price every pipeline micro-batch
+    with it: the planner then runs fewer, larger micro-batches than with a constant time per sample."""
+    fp = layered(8, 2**27, 1e11, 0.05 * GiB, 1e6)  # fits no V100-16GB whole: a pipeline
+    ranks = [V100] * 4
+    topo = uniform_topology(catalog, ranks, gpus_per_node=4, inter_node_gbps=100)
+
+    def constant(gpu_type: str, precision: str, micro_batch: int | None) -> float:
+        return 0.01
+
+    def with_fixed_cost(gpu_type: str, precision: str, micro_batch: int | None) -> float:
+        return 0.01 + 0.05 / (micro_batch or 16)
+
+    linear = plan(ranks, catalog, fp, global_batch=64, topology=topo, seconds_per_sample=constant)[0]
+    fixed = plan(ranks, catalog, fp, global_batch=64, topology=topo, seconds_per_sample=with_fixed_cost)[0]
+    for p in (linear, fixed):
+        check_invariants(p, ranks, 8)
+        assert p.is_pipelined
+    assert fixed.roles[0].micro_batch > linear.roles[0].micro_batch
+    # Each micro-batch costs its stage's share of the fixed cost too.
+    assert fixed.predicted_step_s > linear.predicted_step_s

@@ -228,10 +228,11 @@ def render(result: ClusterProfile, console: Console) -> None:
 
 def run_profile_spec(cfg: RunConfig, catalog: Catalog, repeats: int = 5) -> ProfileSpec:
     """What to profile before planning ``cfg``: each type's training precision, at micro-batches around an even
-    share of the global batch (the planner prices a type there), wall clock."""
+    share of the global batch (the planner prices data parallelism there) and at one sample (a step's fixed
+    cost, which a pipeline pays on every micro-batch), wall clock."""
     even = max(1, cfg.train.global_batch // cfg.num_workers)
     return ProfileSpec(
-        micro_batches=tuple(sorted({max(1, even // 2), even, 2 * even})),
+        micro_batches=tuple(sorted({1, max(1, even // 2), even, 2 * even})),
         precisions=tuple(sorted({choose_precision(catalog.get(t), cfg.train.precision) for t in cfg.devices})),
         repeats=repeats,
     )

@@ -27,9 +27,12 @@ from hetero_ray.plan.cost import RECOMPUTE_FACTOR, activation_scale
 from hetero_ray.plan.memory import ADAM_STATE_BYTES, WEIGHT_AND_GRAD_BYTES, in_flight
 from hetero_ray.train.precision import choose_precision
 
-# Measured seconds per sample (forward + backward of the whole model) by (GPU type, precision),
-# e.g. from the profiler's history; overrides FLOPs ÷ (peak × efficiency) where it answers.
-SecondsPerSample = Callable[[str, str], float | None] | Mapping[str, float]
+# Measured seconds per sample (forward + backward of the whole model) by (GPU type, precision), e.g. from the
+# profiler's history; overrides FLOPs ÷ (peak × efficiency) where it answers. A callable takes a third
+# argument, the micro-batch (None: a data-parallel worker's even share of the batch): a fixed cost per forward
+# and backward (Python, kernel launches) makes small micro-batches dearer per sample, and a pipeline pays it
+# on every micro-batch.
+SecondsPerSample = Callable[[str, str, int | None], float | None] | Mapping[str, float]
 # (bandwidth bytes/s, latency s)
 Link = tuple[float, float]
 
@@ -57,6 +60,8 @@ class TypeTable:
     scale: float  # saved activations and messages shrink in half precision
     seconds_per_flop: float
     cap_bytes: float
+    # Measured seconds per sample at a micro-batch, for pipeline stages; None: seconds_per_flop at every size.
+    per_sample_at: Callable[[int], float | None] | None
     flops: np.ndarray  # prefix sums, length L + 1
     act: np.ndarray
     inputs: np.ndarray  # input bytes of each layer (the previous layer's output), prefix sums
@@ -78,9 +83,11 @@ def type_table(
     spec = catalog.get(gpu_type)
     prec = choose_precision(spec, precision)
     total_flops = sum(c.flops_per_sample for c in layers)
-    measured = None
+    measured, per_sample_at = None, None
     if callable(seconds_per_sample):
-        measured = seconds_per_sample(gpu_type, prec)
+        measured = seconds_per_sample(gpu_type, prec, None)
+        if measured:
+            per_sample_at = functools.partial(seconds_per_sample, gpu_type, prec)
     elif seconds_per_sample is not None:
         measured = seconds_per_sample.get(gpu_type)
     spf = measured / total_flops if measured else 1.0 / (spec.peak_flops(prec) * efficiency)
@@ -95,6 +102,7 @@ def type_table(
         precision=prec,
         scale=activation_scale(prec),
         seconds_per_flop=spf,
+        per_sample_at=per_sample_at,
         cap_bytes=float(spec.memory_bytes),
         flops=np.concatenate([[0.0], np.cumsum([c.flops_per_sample for c in layers])]),
         act=np.concatenate([[0.0], np.cumsum(act)]),
@@ -127,15 +135,21 @@ class StageCost:
 
 
 @functools.lru_cache(maxsize=4096)
-def stage_work(table: TypeTable, *, micro: int, flight: int, optimizer: str, world: int) -> StageCost:
-    """Compute, memory fit and checkpointing of layers [i, j) on ``table``'s type, messages aside."""
+def stage_work(table: TypeTable, *, micro: int, flight: int, optimizer: str, world: int, staged: bool) -> StageCost:
+    """Compute, memory fit and checkpointing of layers [i, j) on ``table``'s type, messages aside.
+
+    ``staged``: one stage of several, priced at the measured speed of ``micro``-sample micro-batches where the
+    table has one (a one-stage kind is priced per sample, at the data-parallel rate)."""
     p = table.params[None, :] - table.params[:, None]
     static = static_matrix(p, optimizer, world)
     act = (table.act[None, :] - table.act[:, None]) * table.scale * flight * micro
     kept = (table.inputs[None, :] - table.inputs[:, None]) * flight * micro + micro * table.max_act
     mem_plain = static + act
     mem_ckpt = static + kept * table.scale
-    compute = (table.flops[None, :] - table.flops[:, None]) * table.seconds_per_flop * micro
+    spf = table.seconds_per_flop
+    if staged and table.per_sample_at is not None:
+        spf = (table.per_sample_at(micro) or spf * table.flops[-1]) / table.flops[-1]
+    compute = (table.flops[None, :] - table.flops[:, None]) * spf * micro
     n = len(table.out)
     idx = np.arange(n + 1)
     valid = idx[None, :] > idx[:, None]
@@ -159,13 +173,14 @@ def stage_cost(
     world: int,
     link_in: Link | None,
     link_out: Link | None,
+    staged: bool = False,
 ) -> StageCost:
     """Cost of holding layers [i, j) as one stage of ``table``'s type, for every (i, j).
 
     Messages: the backward sends the input's gradient to the previous stage, the
     forward sends the output to the next one; each is priced on the sending stage.
     """
-    work = stage_work(table, micro=micro, flight=flight, optimizer=optimizer, world=world)
+    work = stage_work(table, micro=micro, flight=flight, optimizer=optimizer, world=world, staged=staged)
     if link_in is None and link_out is None:
         return work
     out = np.concatenate([[0.0], table.out])  # output bytes of layer k-1, for a boundary at k
@@ -278,6 +293,7 @@ def split_kind(
                 world=2,
                 link_in=links[s - 1] if s > 0 else None,
                 link_out=links[s] if s < S - 1 else None,
+                staged=S > 1,
             )
         )
     bounds = min_max_split([c.seconds for c in costs])
