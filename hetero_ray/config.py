@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hetero_ray.cluster.cpu_slices import check_shares
+from hetero_ray.strict_yaml import YamlError, load_yaml
 
 
 class ConfigError(ValueError):
@@ -312,13 +312,11 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
     """Read and validate a YAML config file; ``overrides`` are merged one level deep per section."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text(), str(path))
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where}: malformed YAML: {getattr(exc, 'problem', exc)}") from None
+    except YamlError as exc:
+        raise ConfigError(str(exc)) from None
     for section, values in (overrides or {}).items() if isinstance(data, dict) else ():
         if isinstance(values, dict) and isinstance(data.get(section), dict):
             data[section] = {**data[section], **values}

@@ -103,6 +103,13 @@ def bad_gpus_file(d: Path) -> Path:
     return d / "gpus.yaml"
 
 
+def twice_gpus_file(d: Path) -> Path:
+    """A gpus file whose one entry appears twice (the second valid: only the repetition is wrong)."""
+    entry = BAD_GPUS_YAML.removeprefix("gpus:\n").replace("memory_gib: -1", "memory_gib: 8")
+    (d / "gpus.yaml").write_text(f"gpus:\n{entry}{entry}")
+    return d / "gpus.yaml"
+
+
 def plan_dict() -> dict:
     """A sound Plan for 1 × A100-80GB + 2 × V100-16GB, global batch 8 (built by the planner)."""
     cfg = {**BASE, "devices": {"A100-80GB": 1, "V100-16GB": 2}, "train": {"global_batch": 8, "steps": 2}}
@@ -359,6 +366,16 @@ CASES = [
          rf"{CFG}: optimizer\.name: .*'adam', 'onebit_adam' or 'zero_one_adam'"),
     Case("zero-link-bandwidth", TRAIN, "`link: {bandwidth_gbps: 0}`",
          cli(train(lambda d: config(d, link={"bandwidth_gbps": 0}))), rf"{CFG}: link\.bandwidth_gbps: .*greater than 0"),
+    # A key given twice, in every file hetero-ray reads (YAML would keep the last one silently).
+    Case("duplicate-device", TRAIN, "`devices:` listing `A100-80GB` twice",
+         cli(train(lambda d: config(d).replace("  V100-16GB: 1\n", "  V100-16GB: 1\n  A100-80GB: 2\n", 1))),
+         rf"{CFG}: line 4, column 3: duplicate key 'A100-80GB' \(first at line 2\); give each key once"),
+    Case("duplicate-gpus-file-entry", TRAIN, "`gpus_file:` with the entry `Tiny-GPU` twice",
+         cli(train(lambda d: config(d, gpus_file=str(twice_gpus_file(d))))),
+         r"{dir}/gpus\.yaml: line 12, column 3: duplicate key 'Tiny-GPU' \(first at line 2\)"),
+    Case("duplicate-plan-key", TRAIN, "`--plan` file giving `global_batch` twice",
+         cli(train_plan(lambda: json.dumps(two_device_plan(), indent=1).replace("{", '{"global_batch": 3,', 1))),
+         r"{dir}/plan\.json: line 2, column \d+: duplicate key 'global_batch' \(first at line 1\)"),
     # Command lines (argparse prints its usage lines, then the one error line).
     Case("train-without-config", TRAIN, "no `--config`", cli(lambda d: ["train"]),
          r"the following arguments are required: --config"),
@@ -389,7 +406,10 @@ CASES = [
          cli(lambda d: ["plan", "--cluster", str(d / "none.yaml"), "--output", str(d / "out.json")]),
          r"{dir}/none\.yaml: cannot read cluster file"),
     Case("plan-cmd-malformed-cluster", "hetero-ray plan", "`--cluster` file `available_node_types: {a: 1` (unclosed)",
-         cli(plan_cmd(lambda d: "available_node_types: {a: 1\n")), r"{dir}/cluster\.yaml: not valid YAML"),
+         cli(plan_cmd(lambda d: "available_node_types: {a: 1\n")), r"{dir}/cluster\.yaml: line 2, column 1: malformed YAML"),
+    Case("plan-cmd-duplicate-node-type", "hetero-ray plan", "cluster.yaml with two node types named `a100-80gb-x8`",
+         cli(plan_cmd(lambda d: CLUSTER_TEXT.replace("  h100-80gb-x8:", "  a100-80gb-x8:"))),
+         r"{dir}/cluster\.yaml: line \d+, column 3: duplicate key 'a100-80gb-x8' \(first at line \d+\)"),
     Case("plan-cmd-unknown-gpu-label", "hetero-ray plan", "cluster.yaml labelling a node type `Z100`",
          cli(plan_cmd(lambda d: CLUSTER_TEXT.replace("gpu-type: A100-80GB", "gpu-type: Z100"))),
          r"unknown GPU type 'Z100'; known: .*; declare it in a gpus file"),

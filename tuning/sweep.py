@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 from rich.console import Console
 
 from hetero_ray.config import ConfigError, RunConfig, load_config
+from hetero_ray.strict_yaml import load_yaml
 from tuning.results import best_trial, trials_frame, write_best_config, write_csv, write_plot
 from tuning.space import ShareSpace, SweepError, model_speeds, plan_speeds, share_space
 from tuning.trial import METRIC, run_trial, trial_resources
@@ -270,7 +270,7 @@ def command(args: argparse.Namespace, console: Console) -> int:
     try:
         settings = settings_from(args)
         cfg = load_config(args.config)
-        base_yaml = yaml.safe_load(Path(args.config).read_text())
+        base_yaml = load_yaml(Path(args.config).read_text(), args.config)  # load_config read it already
         # Checked before any cluster is reached.
         share_space(cfg, dict.fromkeys(cfg.devices, 1.0), spread=settings.spread)
         import ray

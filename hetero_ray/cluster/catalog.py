@@ -17,9 +17,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-import yaml
 from pydantic import ConfigDict, Field, NonNegativeInt, PositiveFloat, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
+
+from hetero_ray.strict_yaml import YamlError, load_yaml
 
 Precision = Literal["fp32", "tf32", "fp16", "bf16"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
@@ -223,11 +224,9 @@ def _one_line(error: ValidationError) -> str:
 def _parse_gpus_yaml(text: str, origin: str) -> list[GpuSpec]:
     """GPU specs from the YAML ``text`` of a gpus file; ``origin`` names it in errors."""
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise CatalogError(f"{origin}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        data = load_yaml(text, origin)
+    except YamlError as exc:
+        raise CatalogError(str(exc)) from None
     if not isinstance(data, dict) or set(data) != {"gpus"} or not isinstance(data["gpus"], dict):
         raise CatalogError(f"{origin}: must be a mapping with the single key 'gpus: {{<type name>: {{fields}}}}'")
     specs: list[GpuSpec] = []

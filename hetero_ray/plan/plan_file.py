@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.plan.memory import SCHEDULES
 from hetero_ray.plan.plan import Plan, PlanError
+from hetero_ray.strict_yaml import YamlError, load_yaml
 
 SCHEMA = 2
 
@@ -176,6 +177,33 @@ def parse_plan(data: Any, source: str = "plan", *, catalog: Catalog | None = Non
     return Plan.from_dict(model.model_dump(by_alias=True))
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s object hook: a key given twice is refused (json itself keeps the last)."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def _where_duplicate(text: str, source: str, key: str) -> str:
+    """One line naming the repeated ``key``; its line comes from the strict YAML reader, as json gives none
+    (JSON is YAML's flow syntax)."""
+    try:
+        load_yaml(text, source)
+    except YamlError as exc:
+        if "duplicate key" in str(exc):
+            return str(exc)
+    return f"{source}: duplicate key {key!r}; give each key once"
+
+
 def load_plan(path: str | Path, *, catalog: Catalog | None = None, n_layers: int | None = None) -> Plan:
     """Read and validate a Plan JSON file (as written by ``Plan.to_json``)."""
     path = Path(path)
@@ -184,7 +212,9 @@ def load_plan(path: str | Path, *, catalog: Catalog | None = None, n_layers: int
     except OSError as exc:
         raise PlanError(f"{path}: cannot read plan: {exc.strerror}") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise PlanError(f"{path}: line {exc.lineno}, column {exc.colno}: malformed JSON: {exc.msg}") from None
+    except _DuplicateKey as exc:
+        raise PlanError(_where_duplicate(text, str(path), exc.key)) from None
     return parse_plan(data, str(path), catalog=catalog, n_layers=n_layers)

@@ -14,10 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.config import ConfigError
+from hetero_ray.strict_yaml import YamlError, load_yaml
 
 GPU_TYPE_LABEL = "hetero-ray/gpu-type"
 NETWORK_LABEL = "hetero-ray/network-gbps"
@@ -108,11 +107,11 @@ def load_cluster(path: str | Path, catalog: Catalog) -> ClusterSpec:
     node and the slowest NIC among them (a plan priced on those holds on any).
     """
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = load_yaml(Path(path).read_text(encoding="utf-8"), str(path))
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read cluster file ({exc.strerror or exc})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    except YamlError as exc:
+        raise ConfigError(str(exc)) from None
     node_types = data.get("available_node_types") if isinstance(data, dict) else None
     if not isinstance(node_types, dict):
         raise ConfigError(f"{path}: no 'available_node_types' mapping; expected a Ray cluster-launcher file")
