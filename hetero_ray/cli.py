@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -18,21 +17,24 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetero_ray.cluster.catalog import CatalogError, UnknownGpuType
 from hetero_ray.config import ConfigError, RunConfig, load_config
+from hetero_ray.output import OutputError, check_output, write_json
 from hetero_ray.plan.plan import PlanError
 from hetero_ray.workloads import WorkloadError
 
 # Bad input: one line on stderr and exit code 2, never a traceback.
-USER_ERRORS = (ConfigError, CatalogError, UnknownGpuType, WorkloadError, PlanError)
+USER_ERRORS = (ConfigError, CatalogError, UnknownGpuType, WorkloadError, PlanError, OutputError)
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 
-def write_json_atomically(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON so that readers see the old file or the whole new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (``--duration 0`` would otherwise mean "the config's duration")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds (got {text})")
+    return value
 
 
 def _finish(result, args, console: Console, extra: dict[str, Any] | None = None) -> None:
@@ -40,7 +42,7 @@ def _finish(result, args, console: Console, extra: dict[str, Any] | None = None)
 
     out = {**result.to_dict(), "summary": summarise(result.metrics, result.dilation), **(extra or {})}
     if args.output:
-        write_json_atomically(Path(args.output), out)
+        write_json(args.output, out, force=args.force)
     if args.json:
         print(json.dumps(out))
     else:
@@ -51,6 +53,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     """Train on the Ray cluster this process reaches (``ray job submit`` sets the address)."""
     from hetero_ray.train.prepare import prepare
 
+    if args.output:
+        check_output(args.output, force=args.force)
     cfg = load_config(args.config)
     prepared = prepare(cfg, args.plan)
     import ray
@@ -69,7 +73,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
 def _demo_config(args: argparse.Namespace, console: Console) -> RunConfig:
     from hetero_ray.cluster.cpu_slices import CgroupError, find_cpu_root
 
-    train = {"duration_s": args.duration} if args.duration else {}
+    train = {"duration_s": args.duration} if args.duration is not None else {}
     cfg = load_config(args.config, {"train": train})
     if cfg.emulation is None:
         raise ConfigError(f"{args.config}: the demo needs an 'emulation' section")
@@ -129,6 +133,8 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     planned one, with live progress; print where each device's step time went."""
     from hetero_ray.cluster.emulation import EmulatedCluster
 
+    if args.output:
+        check_output(args.output, force=args.force)
     cfg = _demo_config(args, console)
     cluster = EmulatedCluster(cfg.devices, gpus_per_node=cfg.emulation.gpus_per_node, cpu_share=cfg.emulation.cpu_share)
     # Ray reads its authentication mode once, at import: the token must be in the
@@ -276,6 +282,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
         catalog=load_catalog(args.gpus),
         as_json=args.json,
         output=args.output,
+        force=args.force,
         console=console,
     )
 
@@ -295,6 +302,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
         catalog=load_catalog(args.gpus),
         as_json=args.json,
         output=args.output,
+        force=args.force,
         console=console,
     )
 
@@ -317,6 +325,7 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
     p.add_argument("--gpus", help="YAML of extra GPU types (catalog schema)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--force", action="store_true", help="replace the --output file if it exists")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -328,12 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (train, demo):
         p.add_argument("--json", action="store_true", help="print the result as one JSON object")
         p.add_argument("--output", help="also write the result JSON to this file")
+        p.add_argument("--force", action="store_true", help="replace the --output file if it exists")
         p.add_argument("--verbose", action="store_true", help="show the workers' logs")
     train.add_argument("--config", required=True, help="run config YAML (see configs/)")
     train.add_argument("--plan", help="Plan JSON to run (from `hetero-ray plan --output`) instead of planning")
     train.set_defaults(func=cmd_train)
     demo.add_argument("--config", default=str(DEFAULT_CONFIG), help="run config YAML with an emulation section")
-    demo.add_argument("--duration", type=float, help="seconds to train (default: the config's train.duration_s)")
+    demo.add_argument(
+        "--duration", type=positive_float, help="seconds to train (default: the config's train.duration_s)"
+    )
     demo.set_defaults(func=cmd_demo)
 
     discover = sub.add_parser("discover", help="list the GPUs on every node of a live cluster")

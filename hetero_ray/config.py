@@ -273,6 +273,21 @@ class RunConfig(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _onebit_compresses(self) -> RunConfig:
+        # DeepSpeed's OnebitAdam compresses only after freeze_step: a warm-up as long as the run is plain Adam
+        # with 1-bit's overheads, and its results would be reported as 1-bit's.
+        if self.optimizer.name == "onebit_adam":
+            warmup, steps = self.optimizer.warmup_steps(self.train.steps), self.train.steps
+            if warmup >= steps:
+                given = "" if self.optimizer.freeze_step else " (the default, 15% of train.steps, at least 1)"
+                fix = f"a freeze_step below {steps} or more train.steps" if steps > 1 else "train.steps >= 2"
+                raise ValueError(
+                    f"optimizer.freeze_step: {warmup}{given} is not below train.steps {steps}, so compression "
+                    f"would never engage; use {fix}"
+                )
+        return self
+
     def hidden(self) -> RunConfig:
         """The config without the emulation's truth (``cpu_share``): what is handed to the workers."""
         if self.emulation is None or self.emulation.cpu_share is None:
@@ -290,12 +305,13 @@ class RunConfig(_Strict):
 
 def _one_line(exc: ValidationError, source: str) -> str:
     err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    # Checks across sections (model validators) have no location; their messages name the fields.
+    where = ".".join(str(p) for p in err["loc"]) + ": " if err["loc"] else ""
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"{source}: {where}: {msg}{more}"
+    return f"{source}: {where}{msg}{more}"
 
 
 def parse_config(data: Any, source: str = "config") -> RunConfig:

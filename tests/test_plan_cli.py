@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -42,9 +44,29 @@ def test_plan_writes_a_plan_that_from_dict_reads(cluster: Path, tmp_path: Path, 
     assert plan == Plan.from_dict(printed["plans"][0])
     assert plan.global_batch == 48 and sum(r.gpu_type == "V100-16GB" for r in plan.roles) <= 4
     assert len(printed["plans"]) <= 3 and plan.explanation
-    # The table form prints the chosen plan's explanation too.
-    assert main(argv) == 0
+    # The table form prints the chosen plan's explanation too (replacing the file needs --force).
+    assert main([*argv, "--force"]) == 0
     assert "chosen:" in capsys.readouterr().out
+
+
+def test_output_has_normal_permissions_and_is_not_replaced_without_force(cluster: Path, tmp_path: Path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--cluster", str(cluster), "--model-options", TINY, "--global-batch", "48", "--output", str(out)]
+    umask = os.umask(0o022)
+    try:
+        assert main(argv) == 0
+    finally:
+        os.umask(umask)
+    # What `open()` would have made under umask 022, not mkstemp's 0600: the user's group may read it.
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
+    out.write_text("mine")
+    assert main(argv) == 2
+    assert "exists; pass --force to replace it" in capsys.readouterr().err
+    assert out.read_text() == "mine"
+    assert main([*argv, "--force"]) == 0
+    assert json.loads(out.read_text())["global_batch"] == 48
+    # Nothing left beside it: no temporary file from either run.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.yaml", "plan.json"]
 
 
 def test_simulate_devices_and_mix(tmp_path: Path, capsys):

@@ -174,6 +174,12 @@ def parse_plan(data: Any, source: str = "plan", *, catalog: Catalog | None = Non
             if role.gpu_type not in catalog:
                 known = ", ".join(catalog.names())
                 raise PlanError(f"{source}: roles.{i}.gpu_type: unknown GPU type {role.gpu_type!r}; known: {known}")
+            has = catalog.get(role.gpu_type).peak_tflops
+            if role.precision not in has:
+                usable = ", ".join(p for p in ("bf16", "fp16", "fp32") if p in has)
+                raise PlanError(
+                    f"{source}: roles.{i}.precision: {role.gpu_type} has no {role.precision}; use one of {usable}"
+                )
     return Plan.from_dict(model.model_dump(by_alias=True))
 
 

@@ -10,7 +10,6 @@ import itertools
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -18,6 +17,7 @@ from rich.table import Table
 
 from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.config import ONEBIT_OPTIMIZERS, ConfigError
+from hetero_ray.output import check_output, write_json
 from hetero_ray.perf.footprint import Footprint, measure_footprint
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
 from hetero_ray.plan.search import plan
@@ -77,7 +77,11 @@ def footprint_of(req: Request) -> Footprint:
         torch.manual_seed(0)
         return build_workload(req.model, req.model_options)
 
-    return measure_footprint(factory)
+    footprint = measure_footprint(factory)
+    problem = footprint.batch_problem(req.global_batch)
+    if problem:
+        raise ConfigError(f"--global-batch: {problem}")
+    return footprint
 
 
 def parse_devices(text: str, catalog: Catalog) -> dict[str, int]:
@@ -152,17 +156,25 @@ def plans_table(plans: list[Plan], title: str) -> Table:
 
 
 def plan_command(
-    *, cluster: str, req: Request, catalog: Catalog, as_json: bool, output: str | None, console: Console
+    *,
+    cluster: str,
+    req: Request,
+    catalog: Catalog,
+    as_json: bool,
+    output: str | None,
+    force: bool = False,
+    console: Console,
 ) -> int:
     """`hetero-ray plan`: plans for the devices of a cluster-launcher file; writes the best one."""
-    from hetero_ray.cli import write_json_atomically
     from hetero_ray.plan.topology import load_cluster
 
+    if output:
+        check_output(output, force=force)
     check_request(req)
     spec = load_cluster(cluster, catalog)
     plans = search(spec.devices, catalog, footprint_of(req), spec.topology, req)
     if output:
-        write_json_atomically(Path(output), plans[0].to_dict())
+        write_json(output, plans[0].to_dict(), force=force)
     if as_json:
         print(json.dumps({"plans": [p.to_dict() for p in plans], "output": output}))
     else:
@@ -195,11 +207,12 @@ def simulate_command(
     catalog: Catalog,
     as_json: bool,
     output: str | None,
+    force: bool = False,
     console: Console,
 ) -> int:
     """`hetero-ray simulate`: plans for a cluster that does not exist, or the best mix per dollar."""
-    from hetero_ray.cli import write_json_atomically
-
+    if output:
+        check_output(output, force=force)
     check_request(req)
     if (devices is None) == (mix is None):
         raise ConfigError("simulate: give either --devices TYPE=N,... or --mix TYPE,TYPE --budget-gpus N")
@@ -213,7 +226,7 @@ def simulate_command(
         plans = search(counts, catalog, footprint_of(req), topology, req)
         result = {"devices": counts, "modelled": True, "plans": [p.to_dict() for p in plans]}
         if output:
-            write_json_atomically(Path(output), result)
+            write_json(output, result, force=force)
         if as_json:
             print(json.dumps(result))
         else:
@@ -222,7 +235,7 @@ def simulate_command(
         return 0
     rows = best_mixes(mix, budget_gpus, inter_node_gbps, gpus_per_node, req, catalog)
     if output:
-        write_json_atomically(Path(output), {"modelled": True, "mixes": rows})
+        write_json(output, {"modelled": True, "mixes": rows}, force=force)
     if as_json:
         print(json.dumps({"modelled": True, "mixes": rows}))
     else:

@@ -118,11 +118,18 @@ def load_cluster(path: str | Path, catalog: Catalog) -> ClusterSpec:
     devices: dict[str, int] = {}
     kinds: dict[str, NodeKind] = {}
     for name, node in node_types.items():
+        where = f"{path}: available_node_types.{name}"
+        if not isinstance(node or {}, dict):
+            raise ConfigError(f"{where}: expected a mapping (resources, labels, max_workers, …), got {node!r}")
         labels = (node or {}).get("labels") or {}
+        if not isinstance(labels, dict):
+            raise ConfigError(
+                f'{where}.labels: expected a mapping, e.g. {{{GPU_TYPE_LABEL}: A100-80GB, {NETWORK_LABEL}: "100"}} '
+                f"(got {labels!r})"
+            )
         gpu_type = labels.get(GPU_TYPE_LABEL)
         if gpu_type is None:
             continue
-        where = f"{path}: available_node_types.{name}"
         spec = catalog.get(gpu_type)
         gpus = _count((node.get("resources") or {}).get("GPU", 0), f"{where}.resources.GPU")
         if gpus < 1:
