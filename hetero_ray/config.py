@@ -7,13 +7,15 @@ re-parses the command line or the file.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hetero_ray.cluster.cpu_slices import check_shares
 from hetero_ray.strict_yaml import YamlError, load_yaml
+from hetero_ray.suggest import did_you_mean
 
 
 class ConfigError(ValueError):
@@ -303,13 +305,32 @@ class RunConfig(_Strict):
         return self.train.min_workers is not None and self.train.min_workers < self.num_workers
 
 
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The config model inside a field's type (``EmulationConfig | None``, ``list[DeviceEvent]``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for arg in get_args(annotation) if (m := _section(arg)) is not None), None)
+
+
+def _keys_at(loc: tuple[str | int, ...]) -> list[str]:
+    """The keys valid where ``loc`` ends (``("train", "stesp")``: TrainConfig's fields)."""
+    model: type[BaseModel] | None = RunConfig
+    for part in loc[:-1]:
+        if model is not None and isinstance(part, str):
+            field = model.model_fields.get(part)
+            model = _section(field.annotation) if field else None
+    return list(model.model_fields) if model else []
+
+
 def _one_line(exc: ValidationError, source: str) -> str:
     err = exc.errors()[0]
     # Checks across sections (model validators) have no location; their messages name the fields.
     where = ".".join(str(p) for p in err["loc"]) + ": " if err["loc"] else ""
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        msg = "unknown key"
+        msg = "unknown key" + did_you_mean(err["loc"][-1], _keys_at(err["loc"]))
+    elif err["type"] == "literal_error":
+        msg += did_you_mean(err["input"], re.findall(r"'([^']*)'", err["ctx"]["expected"]))
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     return f"{source}: {where}{msg}{more}"
 

@@ -21,6 +21,7 @@ from pydantic import ConfigDict, Field, NonNegativeInt, PositiveFloat, Validatio
 from pydantic.dataclasses import dataclass
 
 from hetero_ray.strict_yaml import YamlError, load_yaml
+from hetero_ray.suggest import did_you_mean
 
 Precision = Literal["fp32", "tf32", "fp16", "bf16"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
@@ -161,7 +162,7 @@ class Catalog:
             return self._specs[name]
         except KeyError:
             raise UnknownGpuType(
-                f"unknown GPU type {name!r}; known: {', '.join(self.names())}; "
+                f"unknown GPU type {name!r}{did_you_mean(name, self.names())}; known: {', '.join(self.names())}; "
                 f"declare it in a gpus file (--gpus FILE or {GPUS_ENV_VAR}, same schema as "
                 "hetero_ray/cluster/gpus.yaml)"
             ) from None

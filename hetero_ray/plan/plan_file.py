@@ -15,10 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hetero_ray.cluster.catalog import Catalog
+from hetero_ray.cluster.catalog import Catalog, UnknownGpuType
 from hetero_ray.plan.memory import SCHEDULES
 from hetero_ray.plan.plan import Plan, PlanError
 from hetero_ray.strict_yaml import YamlError, load_yaml
+from hetero_ray.suggest import did_you_mean
 
 SCHEMA = 2
 
@@ -74,7 +75,7 @@ class _Plan(_Strict):
     @classmethod
     def _known_schedule(cls, v: str) -> str:
         if v not in SCHEDULES:
-            raise ValueError(f"unknown schedule {v!r}; use one of {', '.join(SCHEDULES)}")
+            raise ValueError(f"unknown schedule {v!r}{did_you_mean(v, SCHEDULES)}; use one of {', '.join(SCHEDULES)}")
         return v
 
 
@@ -171,10 +172,10 @@ def parse_plan(data: Any, source: str = "plan", *, catalog: Catalog | None = Non
         raise PlanError(f"{source}: {problem}")
     if catalog is not None:
         for i, role in enumerate(model.roles):
-            if role.gpu_type not in catalog:
-                known = ", ".join(catalog.names())
-                raise PlanError(f"{source}: roles.{i}.gpu_type: unknown GPU type {role.gpu_type!r}; known: {known}")
-            has = catalog.get(role.gpu_type).peak_tflops
+            try:
+                has = catalog.get(role.gpu_type).peak_tflops
+            except UnknownGpuType as exc:
+                raise PlanError(f"{source}: roles.{i}.gpu_type: {exc}") from None
             if role.precision not in has:
                 usable = ", ".join(p for p in ("bf16", "fp16", "fp32") if p in has)
                 raise PlanError(

@@ -22,6 +22,7 @@ from hetero_ray.perf.footprint import Footprint, measure_footprint
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
 from hetero_ray.plan.search import plan
 from hetero_ray.plan.topology import Topology, uniform_topology
+from hetero_ray.suggest import did_you_mean
 from hetero_ray.workloads import build_workload
 
 GiB = 2**30
@@ -63,7 +64,10 @@ def check_request(req: Request) -> None:
     if req.global_batch < 1:
         raise ConfigError(f"--global-batch: must be >= 1 (got {req.global_batch})")
     if req.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer: unknown optimizer {req.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+        raise ConfigError(
+            f"--optimizer: unknown optimizer {req.optimizer!r}{did_you_mean(req.optimizer, OPTIMIZERS)}; "
+            f"use one of {', '.join(OPTIMIZERS)}"
+        )
     if not 0 < req.efficiency <= 1:
         raise ConfigError(f"--efficiency: must be in (0, 1] (got {req.efficiency})")
     if req.max_stages < 1 or req.top < 1:

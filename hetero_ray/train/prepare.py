@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hetero_ray.cluster.catalog import Catalog, load_catalog
+from hetero_ray.cluster.catalog import Catalog, UnknownGpuType, load_catalog
 from hetero_ray.config import ONEBIT_OPTIMIZERS, ConfigError, RunConfig
 from hetero_ray.perf.footprint import Footprint, cpu_seconds_per_sample, measure_footprint
 from hetero_ray.perf.history import load as load_history
@@ -190,8 +190,10 @@ def prepare(cfg: RunConfig, plan_path: str | None = None) -> Prepared:
     raise on bad input."""
     catalog = load_catalog(cfg.gpus_file)
     for name in cfg.devices:
-        if name not in catalog:
-            raise ConfigError(f"devices: unknown GPU type '{name}'; known: {', '.join(catalog.names())}")
+        try:
+            catalog.get(name)
+        except UnknownGpuType as exc:
+            raise ConfigError(f"devices: {exc}") from None
     check_storage(cfg.run.storage_path)
     footprint = measure_footprint(_workload_factory(cfg))
     problem = footprint.batch_problem(cfg.train.global_batch)

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from hetero_ray.suggest import did_you_mean
+
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 
@@ -63,7 +65,7 @@ def build_workload(name: str, options: Mapping[str, Any]) -> Workload:
     target = BUILTIN.get(name, name)
     if ":" not in target:
         raise WorkloadError(
-            f"workload.name: unknown workload '{name}'; use one of {sorted(BUILTIN)} "
+            f"workload.name: unknown workload '{name}'{did_you_mean(name, BUILTIN)}; use one of {sorted(BUILTIN)} "
             "or 'module:function' returning a hetero_ray Workload"
         )
     module_name, _, attr = target.partition(":")
