@@ -73,8 +73,9 @@ def main() -> int:
     args.json = args.json or str(MEASUREMENTS / f"tune-{'throttled' if throttled else 'emulated'}.json")
 
     from tuning.results import best_trial, trials_frame
+    from tuning.settings import SweepSettings
     from tuning.space import WEIGHT_PREFIX, share_space
-    from tuning.sweep import SweepSettings, predicted_speeds, run_sweep, run_trials, trial_base
+    from tuning.sweep import predicted_speeds, run_sweep, run_trials, trial_base
 
     started = time.monotonic()
     out = Path(args.output_dir) / time.strftime("%Y%m%d-%H%M%S")

@@ -173,6 +173,7 @@ class TrainConfig(_Strict):
 
 
 ONEBIT_OPTIMIZERS = ("onebit_adam", "zero_one_adam")
+OPTIMIZERS = ("adam", *ONEBIT_OPTIMIZERS)
 # DeepSpeed's 1-bit Adam tutorial warms up for roughly 15-25% of training before compressing.
 DEFAULT_FREEZE_FRACTION = 0.15
 

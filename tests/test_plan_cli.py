@@ -90,9 +90,7 @@ def test_simulate_devices_and_mix(tmp_path: Path, capsys):
     [
         (["plan", "--model-options", "{n_layer: 2}"], "--model-options: not valid JSON"),
         (["plan", "--model-options", TINY, "--global-batch", "0"], "--global-batch: must be >= 1 (got 0)"),
-        (["plan", "--model-options", TINY, "--optimizer", "sgd"], "--optimizer: unknown optimizer 'sgd'"),
         (["plan", "--model-options", TINY, "--model", "nosuch"], "workload.name: unknown workload 'nosuch'"),
-        (["plan", "--model-options", TINY, "--schedule", "zb"], "schedule: unknown schedule 'zb'"),
         (
             ["simulate", "--devices", "V100-16GB:4", "--model-options", TINY],
             "--devices: 'V100-16GB:4' is not TYPE=COUNT",

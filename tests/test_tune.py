@@ -21,8 +21,9 @@ from hetero_ray.perf.footprint import measure_footprint
 from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.workloads import build_workload
 from tuning.results import best_trial, trials_frame, write_best_config, write_csv, write_plot
-from tuning.space import SweepError, plan_speeds, share_space, weights_of
-from tuning.sweep import SweepSettings, add_arguments, command, predicted_speeds, settings_from
+from tuning.settings import SweepError, SweepSettings, add_arguments, settings_from
+from tuning.space import plan_speeds, share_space, weights_of
+from tuning.sweep import command, predicted_speeds
 from tuning.trial import trial_config
 
 WORKLOAD = {

@@ -10,7 +10,8 @@ import pandas as pd
 import yaml
 
 from hetero_ray.output import write_atomically
-from tuning.space import MICRO_BATCH_KEY, WEIGHT_PREFIX, ShareSpace, SweepError, weights_of
+from tuning.settings import SweepError
+from tuning.space import MICRO_BATCH_KEY, WEIGHT_PREFIX, ShareSpace, weights_of
 from tuning.trial import METRIC
 
 

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetero_ray.cluster.catalog import Catalog
-from hetero_ray.config import ONEBIT_OPTIMIZERS, ConfigError
+from hetero_ray.config import OPTIMIZERS, ConfigError
 from hetero_ray.output import check_output, write_json
 from hetero_ray.perf.footprint import Footprint, measure_footprint
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
@@ -26,7 +26,6 @@ from hetero_ray.suggest import did_you_mean
 from hetero_ray.workloads import build_workload
 
 GiB = 2**30
-OPTIMIZERS = ("adam", *ONEBIT_OPTIMIZERS)
 
 
 @dataclass(frozen=True, kw_only=True)
