@@ -448,7 +448,12 @@ CASES = [
          r"{dir}/cluster\.yaml: line \d+, column 3: duplicate key 'a100-80gb-x8' \(first at line \d+\)"),
     Case("plan-cmd-unknown-gpu-label", "hetero-ray plan", "cluster.yaml labelling a node type `Z100`",
          cli(plan_cmd(lambda d: CLUSTER_TEXT.replace("gpu-type: A100-80GB", "gpu-type: Z100"))),
-         r"unknown GPU type 'Z100'; known: .*; declare it in a gpus file"),
+         r"{dir}/cluster\.yaml: available_node_types\.a100-80gb-x8\.labels\.hetero-ray/gpu-type: unknown GPU type 'Z100'; "
+         r"known: .*; declare it in a gpus file"),
+    Case("plan-cmd-label-not-a-string", "hetero-ray plan", "cluster.yaml with `hetero-ray/network-gbps: 400` (unquoted)",
+         cli(plan_cmd(lambda d: CLUSTER_TEXT.replace('network-gbps: "400"', "network-gbps: 400"))),
+         r"{dir}/cluster\.yaml: available_node_types\.a100-80gb-x8\.labels\.hetero-ray/network-gbps: 400 is not a string; "
+         r"quote it \(hetero-ray/network-gbps: \"400\"\), as Ray's cluster launcher requires"),
     Case("plan-cmd-gpu-count-not-a-number", "hetero-ray plan", "cluster.yaml with `resources: {GPU: eight}`",
          cli(plan_cmd(lambda d: CLUSTER_TEXT.replace("{CPU: 96, GPU: 8}", "{CPU: 96, GPU: eight}"))),
          r"{dir}/cluster\.yaml: available_node_types\.[\w-]+\.resources\.GPU: expected a whole number \(got 'eight'\)"),

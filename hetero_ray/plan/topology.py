@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetero_ray.cluster.catalog import Catalog
+from hetero_ray.cluster.catalog import Catalog, UnknownGpuType
 from hetero_ray.config import ConfigError
 from hetero_ray.strict_yaml import YamlError, load_yaml
 
@@ -127,10 +127,20 @@ def load_cluster(path: str | Path, catalog: Catalog) -> ClusterSpec:
                 f'{where}.labels: expected a mapping, e.g. {{{GPU_TYPE_LABEL}: A100-80GB, {NETWORK_LABEL}: "100"}} '
                 f"(got {labels!r})"
             )
+        for key, value in labels.items():
+            if not isinstance(value, str):
+                # Ray's launcher schema takes only strings: `ray up` would refuse the file this plan is for.
+                raise ConfigError(
+                    f"{where}.labels.{key}: {value!r} is not a string; quote it ({key}: \"{value}\"), "
+                    "as Ray's cluster launcher requires"
+                )
         gpu_type = labels.get(GPU_TYPE_LABEL)
         if gpu_type is None:
             continue
-        spec = catalog.get(gpu_type)
+        try:
+            spec = catalog.get(gpu_type)
+        except UnknownGpuType as exc:
+            raise ConfigError(f"{where}.labels.{GPU_TYPE_LABEL}: {exc}") from None
         gpus = _count((node.get("resources") or {}).get("GPU", 0), f"{where}.resources.GPU")
         if gpus < 1:
             raise ConfigError(f"{where}.resources.GPU: a node labelled {gpu_type} needs GPU >= 1 (got {gpus})")
