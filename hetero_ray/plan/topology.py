@@ -131,7 +131,7 @@ def load_cluster(path: str | Path, catalog: Catalog) -> ClusterSpec:
             if not isinstance(value, str):
                 # Ray's launcher schema takes only strings: `ray up` would refuse the file this plan is for.
                 raise ConfigError(
-                    f"{where}.labels.{key}: {value!r} is not a string; quote it ({key}: \"{value}\"), "
+                    f'{where}.labels.{key}: {value!r} is not a string; quote it ({key}: "{value}"), '
                     "as Ray's cluster launcher requires"
                 )
         gpu_type = labels.get(GPU_TYPE_LABEL)
