@@ -53,7 +53,12 @@ _DEFS = [
     ("compute_fraction", "gauge", "Compute time (emulated: modelled) / step time of this worker.", DEVICE_TAGS),
     ("comm_seconds", "gauge", "Mean gradient-synchronisation time per step of this worker.", DEVICE_TAGS),
     ("sent_bytes", "counter", "Bytes this worker sent for gradient synchronisation.", DEVICE_TAGS),
-    ("emulation_overrun_steps", "gauge", "Steps this emulated device could not pad: its times are the CPU's.", DEVICE_TAGS),
+    (
+        "emulation_overrun_steps",
+        "gauge",
+        "Steps this emulated device could not pad: its times are the CPU's.",
+        DEVICE_TAGS,
+    ),
     # Run-wide, recorded by rank 0.
     ("run_samples_per_second", "gauge", "Global batch / the slowest worker's step time.", RUN_TAGS),
     ("balance_efficiency", "gauge", "Achieved samples/s / the sum of each device's standalone samples/s.", RUN_TAGS),
@@ -63,7 +68,12 @@ _DEFS = [
     ("rebalances", "counter", "Times the workers re-split the batch, by cause.", (*RUN_TAGS, "cause")),
     ("excluded_workers", "gauge", "Workers the plan gives no samples, by GPU type.", (*RUN_TAGS, "gpu_type")),
     # Per device, from health readings.
-    ("gpu_utilization_ratio", "gauge", "Fraction of time a kernel ran (NVML); emulated: busy / step time.", DEVICE_TAGS),
+    (
+        "gpu_utilization_ratio",
+        "gauge",
+        "Fraction of time a kernel ran (NVML); emulated: busy / step time.",
+        DEVICE_TAGS,
+    ),
     ("gpu_memory_used_bytes", "gauge", "Device memory in use (emulated: bytes under the cap).", DEVICE_TAGS),
     ("gpu_memory_total_bytes", "gauge", "Device memory (emulated: the type's cap).", DEVICE_TAGS),
     ("gpu_temperature_celsius", "gauge", "GPU temperature (real GPUs only).", DEVICE_TAGS),
