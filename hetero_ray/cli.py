@@ -327,6 +327,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
         devices=args.devices,
         mix=args.mix,
         budget_gpus=args.budget_gpus,
+        mix_step=args.mix_step,
         inter_node_gbps=args.inter_node_gbps,
         gpus_per_node=args.gpus_per_node,
         req=_plan_request(args),
@@ -436,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--devices", help="GPUs per type, e.g. V100-16GB=512,A100-80GB=128")
     simulate.add_argument("--mix", help="GPU types to mix, e.g. A100-80GB,V100-16GB (with --budget-gpus)")
     simulate.add_argument("--budget-gpus", type=int, help="GPUs in every mix of --mix")
+    simulate.add_argument(
+        "--mix-step", type=int, default=1, help="--mix: count each type but the last in steps of this"
+    )
     simulate.add_argument("--inter-node-gbps", type=float, default=100.0, help="NIC Gbit/s per node (default 100)")
     simulate.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     simulate.add_argument("--output", help="also write the result JSON to this file")

@@ -487,6 +487,10 @@ CASES = [
          r"unknown GPU type 'Z100'"),
     Case("simulate-mix-without-budget", "hetero-ray simulate", "`--mix A100-80GB,V100-16GB` without `--budget-gpus`",
          cli(simulate("--mix", "A100-80GB,V100-16GB")), r"--budget-gpus: --mix needs a GPU budget >= 1"),
+    Case("simulate-mix-too-many", "hetero-ray simulate", "`--mix` of 3 types over `--budget-gpus 512`",
+         cli(simulate("--mix", "A100-80GB,V100-16GB,H100-80GB", "--budget-gpus", "512")),
+         r"--mix: 131,841 mixes of 3 types over 512 GPUs, one planner search each; at most 2,000: pass --mix-step 9 "
+         r"\(1,653 mixes\)"),
     Case("simulate-nothing", "hetero-ray simulate", "neither `--devices` nor `--mix`", cli(simulate()),
          r"give either --devices"),
     Case("profile-zero-micro-batch", "hetero-ray profile", "`--micro-batches 0`",

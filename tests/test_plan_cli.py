@@ -83,6 +83,10 @@ def test_simulate_devices_and_mix(tmp_path: Path, capsys):
     # Dollars are the catalog's per-GPU prices times the counts.
     four_v100 = next(r for r in rows if r["devices"] == {"V100-16GB": 4})
     assert four_v100["usd_per_hour"] == pytest.approx(4 * 3.06)
+    # --mix-step counts every type but the last in steps: 0, 2 or 4 A100s.
+    assert main(["simulate", "--mix", "A100-80GB,V100-16GB", "--budget-gpus", "4", "--mix-step", "2", *args]) == 0
+    stepped = json.loads(capsys.readouterr().out)["mixes"]
+    assert sorted(r["devices"].get("A100-80GB", 0) for r in stepped) == [0, 2, 4]
 
 
 @pytest.mark.parametrize(

@@ -188,10 +188,21 @@ def plan_command(
     return 0
 
 
-def mixes(types: list[str], budget: int) -> list[dict[str, int]]:
-    """Every way to spend ``budget`` GPUs on ``types`` (0 of a type allowed, at least one GPU)."""
+# Each mix is one planner search (0.2-0.25 s at 512-4096 GPUs here, bench/planner.py): 2,000 are minutes.
+MAX_MIXES = 2000
+
+
+def mix_count(n_types: int, budget: int, step: int) -> int:
+    """How many mixes ``mixes`` yields: counts in multiples of ``step`` for all types but the last, which takes
+    the rest (stars and bars over ``budget // step`` units)."""
+    return math.comb(budget // step + n_types - 1, n_types - 1)
+
+
+def mixes(types: list[str], budget: int, step: int = 1) -> list[dict[str, int]]:
+    """Every way to spend ``budget`` GPUs on ``types`` (0 of a type allowed, at least one GPU), each type but the
+    last in multiples of ``step``."""
     out = []
-    for counts in itertools.product(range(budget + 1), repeat=len(types) - 1):
+    for counts in itertools.product(range(0, budget + 1, step), repeat=len(types) - 1):
         rest = budget - sum(counts)
         if rest >= 0:
             mix = dict(zip(types, (*counts, rest)))
@@ -209,6 +220,7 @@ def simulate_command(
     req: Request,
     catalog: Catalog,
     as_json: bool,
+    mix_step: int = 1,
     output: str | None,
     force: bool = False,
     console: Console,
@@ -236,7 +248,7 @@ def simulate_command(
             console.print(plans_table(plans, f"modelled plans for {devices}"))
             console.print(f"[bold]best:[/bold] {plans[0].explanation}")
         return 0
-    rows = best_mixes(mix, budget_gpus, inter_node_gbps, gpus_per_node, req, catalog)
+    rows = best_mixes(mix, budget_gpus, inter_node_gbps, gpus_per_node, req, catalog, mix_step)
     if output:
         write_json(output, {"modelled": True, "mixes": rows}, force=force)
     if as_json:
@@ -258,7 +270,13 @@ def simulate_command(
 
 
 def best_mixes(
-    mix: str, budget_gpus: int | None, inter_node_gbps: float, gpus_per_node: int, req: Request, catalog: Catalog
+    mix: str,
+    budget_gpus: int | None,
+    inter_node_gbps: float,
+    gpus_per_node: int,
+    req: Request,
+    catalog: Catalog,
+    mix_step: int = 1,
 ) -> list[dict]:
     """Every mix of ``budget_gpus`` GPUs of the listed types, planned, ranked by samples per dollar."""
     types = [t.strip() for t in mix.split(",") if t.strip()]
@@ -266,6 +284,19 @@ def best_mixes(
         raise ConfigError(f"--mix: give 1-4 distinct GPU types separated by commas (got {mix!r})")
     if budget_gpus is None or budget_gpus < 1:
         raise ConfigError(f"--budget-gpus: --mix needs a GPU budget >= 1 (got {budget_gpus})")
+    if mix_step < 1:
+        raise ConfigError(f"--mix-step: must be >= 1 (got {mix_step})")
+    count = mix_count(len(types), budget_gpus, mix_step)
+    if count > MAX_MIXES:
+        # Refused before the first search, with the step that brings the count within bounds.
+        fit = next(
+            s for s in range(mix_step + 1, budget_gpus + 1) if mix_count(len(types), budget_gpus, s) <= MAX_MIXES
+        )
+        raise ConfigError(
+            f"--mix: {count:,} mixes of {len(types)} types over {budget_gpus} GPUs, one planner search each; at most "
+            f"{MAX_MIXES:,}: pass --mix-step {fit} ({mix_count(len(types), budget_gpus, fit):,} mixes), fewer types "
+            "or a smaller --budget-gpus"
+        )
     prices = {}
     for t in types:
         price = catalog.get(t).price_per_hour_usd
@@ -277,7 +308,7 @@ def best_mixes(
     footprint = footprint_of(req)
     topology = uniform_topology(catalog, types, gpus_per_node=gpus_per_node, inter_node_gbps=inter_node_gbps)
     rows = []
-    for counts in mixes(types, budget_gpus):
+    for counts in mixes(types, budget_gpus, mix_step):
         usd = sum(prices[t] * n for t, n in counts.items())
         try:
             best = search(counts, catalog, footprint, topology, Request(**{**req.__dict__, "top": 1}))[0]
