@@ -25,7 +25,7 @@ def check_output(path: str | os.PathLike[str], *, force: bool, option: str = "--
     if path.is_dir():
         raise OutputError(f"{option}: {path} is a directory; name a file in it, e.g. {path / 'result.json'}")
     if path.exists() and not force:
-        raise OutputError(f"{option}: {path} exists; pass --force to replace it, or name another file")
+        raise OutputError(f"{option}: {path} exists; pass --force to replace it, or name another path")
     for parent in (path.parent, *path.parent.parents):
         if parent.exists():
             if not parent.is_dir():

@@ -157,6 +157,23 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys, argv, match):
         settings_from(args)
 
 
+def test_an_earlier_sweeps_files_are_kept_without_force(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config()))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "best.yaml").write_text("mine")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--config", str(path), "--output-dir", str(tmp_path / "out"), "--address", "127.0.0.1:1"]
+    assert command(parser.parse_args(argv), Console(quiet=True)) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"hetero-ray: error: --output-dir: {tmp_path / 'out' / 'best.yaml'} exists; pass --force to replace it, or name another path"
+    )
+    assert (tmp_path / "out" / "best.yaml").read_text() == "mine"
+
+
 def test_one_type_config_is_refused_before_any_cluster(tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config({"A100-80GB": 2})))

@@ -22,11 +22,15 @@ import pandas as pd
 from rich.console import Console
 
 from hetero_ray.config import ConfigError, RunConfig, load_config
+from hetero_ray.output import OutputError, check_output
 from hetero_ray.strict_yaml import load_yaml
 from tuning.results import best_trial, trials_frame, write_best_config, write_csv, write_plot
 from tuning.settings import SweepError, SweepSettings, add_arguments, settings_from
 from tuning.space import ShareSpace, model_speeds, plan_speeds, share_space
 from tuning.trial import METRIC, run_trial, trial_resources
+
+# What a sweep writes under --output-dir: the trial table, the throughput plot, the best config.
+RESULT_FILES = ("trials.csv", "throughput.png", "best.yaml")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,8 +178,7 @@ def run_sweep(cfg: RunConfig, base_yaml: Mapping[str, Any], settings: SweepSetti
         name=base.run.name,
     )
     trials = trials_frame(results, space, settings.windows)
-    out = settings.output_dir
-    csv, plot, best_path = out / "trials.csv", out / "throughput.png", out / "best.yaml"
+    csv, plot, best_path = (settings.output_dir / name for name in RESULT_FILES)
     write_csv(trials, csv)
     write_plot(trials, space, plot, emulated=emulated)
     best = best_trial(trials)
@@ -200,6 +203,8 @@ def command(args: argparse.Namespace, console: Console) -> int:
 
     try:
         settings = settings_from(args)
+        for name in RESULT_FILES:
+            check_output(settings.output_dir / name, force=args.force, option="--output-dir")
         cfg = load_config(args.config)
         base_yaml = load_yaml(Path(args.config).read_text(), args.config)  # load_config read it already
         # Checked before any cluster is reached.
@@ -211,7 +216,7 @@ def command(args: argparse.Namespace, console: Console) -> int:
             sweep = run_sweep(cfg, base_yaml, settings, console)
         finally:
             ray.shutdown()
-    except (SweepError, ConfigError, PlanError, HistoryError, NoHistory) as exc:
+    except (SweepError, ConfigError, PlanError, HistoryError, NoHistory, OutputError) as exc:
         print(f"hetero-ray: error: {exc}", file=sys.stderr)
         return 2
     best = ", ".join(f"{t} {sweep.best[f'share:{t}']:.0f}" for t in sweep.space.predicted if f"share:{t}" in sweep.best)
