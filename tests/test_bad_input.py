@@ -409,6 +409,12 @@ CASES = [
     Case("train-output-exists", TRAIN, "`--output` naming a file that exists, without `--force`",
          cli(lambda d: [*train(lambda d: config(d))(d), "--output", str(d / "run.yaml")]),
          r"--output: {dir}/run\.yaml exists; pass --force to replace it"),
+    Case("train-output-under-a-file", TRAIN, "`--output <a file>/result.json`",
+         cli(lambda d: [*train(lambda d: config(d))(d), "--output", str(d / "run.yaml" / "result.json")]),
+         r"--output: {dir}/run\.yaml is a file, so {dir}/run\.yaml/result\.json cannot be created; name another path"),
+    Case("simulate-output-is-a-directory", "hetero-ray simulate", "`--output` naming a directory",
+         cli(lambda d: ["simulate", "--devices", "V100-16GB=4", "--output", str(d)]),
+         r"--output: {dir} is a directory; name a file in it"),
     # Command lines (argparse prints its usage lines, then the one error line).
     Case("train-without-config", TRAIN, "no `--config`", cli(lambda d: ["train"]),
          r"the following arguments are required: --config"),
