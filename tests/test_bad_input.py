@@ -345,7 +345,9 @@ CASES = [
          cli(train(lambda d: config(d, workload__name="no_such_module_xyz:build"))),
          r"workload\.name: cannot load 'no_such_module_xyz:build'"),
     Case("unknown-workload-option", TRAIN, "GPT option `n_layers: 2` (it is `n_layer`)",
-         cli(train(lambda d: config(d, workload__options={**TINY_GPT, "n_layers": 2}))), r"workload\.options: .*n_layers"),
+         cli(train(lambda d: config(d, workload__options={**TINY_GPT, "n_layers": 2}))),
+         r"workload\.options\.n_layers: unknown option \(did you mean 'n_layer'\?\); hetero_ray\.workloads\.gpt:build takes "
+         r"n_layer, "),
     Case("n_embd-not-multiple-of-n_head", TRAIN, "GPT `n_embd: 16, n_head: 3`",
          cli(train(lambda d: config(d, workload__options={**TINY_GPT, "n_head": 3}))), r"n_head"),
     # 200 bytes of corpus in 16-byte windows: (200 - 1) // 16 = 12 samples, fewer than the global batch of 64.
