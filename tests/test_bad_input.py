@@ -380,6 +380,10 @@ CASES = [
          rf"{CFG}: optimizer\.name: .* \(did you mean 'onebit_adam'\?\)$"),
     Case("simulate-gpu-type-close", "hetero-ray simulate", "`--devices v100-16gb=4`",
          cli(simulate("--devices", "v100-16gb=4")), r"unknown GPU type 'v100-16gb' \(did you mean 'V100-16GB'"),
+    # json gives no position and a tab-indented file is not YAML, so the strict YAML reader cannot find the line.
+    Case("plan-duplicate-key-tabs", PLAN, "`global_batch` twice in a tab-indented file",
+         plan_file(lambda: '{\n\t"global_batch": 8,\n\t"global_batch": 9\n}'),
+         rf"{PLN}: duplicate key 'global_batch'; give each key once$"),
     Case("plan-schedule-close", PLAN, "`schedule: 1f1`", plan_file(lambda: pipeline_plan_dict() | {"schedule": "1f1"}),
          rf"{PLN}: schedule: unknown schedule '1f1' \(did you mean '1f1b'\?\); use one of 1f1b, gpipe$"),
     # A key given twice, in every file hetero-ray reads (YAML would keep the last one silently).
