@@ -18,6 +18,7 @@ from rich.table import Table
 
 from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.cluster.cpu_slices import CgroupError, find_cpu_root
+from hetero_ray.cluster.discovery import probe_local_gpus
 
 # The distributions whose versions decide what a run does (DeepSpeed: 1-bit Adam needs 0.19.6).
 PACKAGES = ("hetero-ray", "ray", "torch", "deepspeed", "nvidia-ml-py", "pydantic")
@@ -32,8 +33,6 @@ def _version(distribution: str) -> str:
 
 def environment(catalog: Catalog) -> dict[str, Any]:
     """This machine's report as a JSON-ready mapping: versions, GPUs, cgroup support, Ray address and auth mode."""
-    from hetero_ray.cluster.discovery import probe_local_gpus
-
     gpus, gpu_problem = probe_local_gpus(catalog)
     try:
         cgroup: dict[str, Any] = {"throttled_devices": True, "cpu_root": str(find_cpu_root())}
