@@ -464,11 +464,15 @@ CASES = [
          r"known: .*; declare it in a gpus file"),
     Case("plan-cmd-label-not-a-string", "hetero-ray plan", "cluster.yaml with `hetero-ray/network-gbps: 400` (unquoted)",
          cli(plan_cmd(lambda d: CLUSTER_TEXT.replace('network-gbps: "400"', "network-gbps: 400"))),
-         r"{dir}/cluster\.yaml: available_node_types\.a100-80gb-x8\.labels\.hetero-ray/network-gbps: 400 is not a string; "
-         r"quote it \(hetero-ray/network-gbps: \"400\"\), as Ray's cluster launcher requires"),
+         r"{dir}/cluster\.yaml: available_node_types\.a100-80gb-x8\.labels\.hetero-ray/network-gbps: 400 is not of type "
+         r"'string' \(Ray's cluster-launcher schema\)$"),
     Case("plan-cmd-gpu-count-not-a-number", "hetero-ray plan", "cluster.yaml with `resources: {GPU: eight}`",
          cli(plan_cmd(lambda d: CLUSTER_TEXT.replace("{CPU: 96, GPU: 8}", "{CPU: 96, GPU: eight}"))),
-         r"{dir}/cluster\.yaml: available_node_types\.[\w-]+\.resources\.GPU: expected a whole number \(got 'eight'\)"),
+         r"{dir}/cluster\.yaml: available_node_types\.[\w-]+\.resources\.GPU: 'eight' is not of type 'integer' "
+         r"\(Ray's cluster-launcher schema\)$"),
+    Case("plan-cmd-not-a-launcher-file", "hetero-ray plan", "cluster.yaml without `cluster_name` and `provider`",
+         cli(plan_cmd(lambda d: "available_node_types:\n  g: {resources: {GPU: 4}, node_config: {}}\n")),
+         r"{dir}/cluster\.yaml: \(top level\): 'cluster_name' is a required property \(Ray's cluster-launcher schema\)$"),
     Case("plan-cmd-zero-global-batch", "hetero-ray plan", "`--global-batch 0`",
          cli(plan_cmd(lambda d: CLUSTER_TEXT, "--global-batch", "0")), r"--global-batch: must be >= 1 \(got 0\)"),
     Case("plan-cmd-bad-model-options", "hetero-ray plan", "`--model-options {bad`",
@@ -479,7 +483,8 @@ CASES = [
          cli(plan_cmd(lambda d: CLUSTER_TEXT, "--optimizer", "lamb")), r"--optimizer: unknown optimizer 'lamb'"),
     Case("plan-cmd-labels-a-string", "hetero-ray plan", "cluster.yaml with `labels: A100-80GB` (a string)",
          cli(plan_cmd(lambda d: re.sub(r"labels: \{hetero-ray/gpu-type: A100-80GB[^}]*\}", "labels: A100-80GB", CLUSTER_TEXT))),
-         r"{dir}/cluster\.yaml: available_node_types\.a100-80gb-x8\.labels: expected a mapping, .*\(got 'A100-80GB'\)"),
+         r"{dir}/cluster\.yaml: available_node_types\.a100-80gb-x8\.labels: 'A100-80GB' is not of type 'object' "
+         r"\(Ray's cluster-launcher schema\)$"),
     Case("plan-cmd-batch-beyond-dataset", "hetero-ray plan", "`--global-batch 64` on a 12-sample corpus",
          cli(plan_cmd(lambda d: CLUSTER_TEXT, "--model-options", json.dumps({**TINY_GPT, "corpus_bytes": 200}),
                       "--global-batch", "64")),

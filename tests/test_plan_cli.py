@@ -18,11 +18,16 @@ TINY = '{"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 64, "corpus_byte
 # One block of 12 × 10240² ≈ 1.26 G parameters: 18.8 GiB of weights, gradients and Adam state on one device.
 HUGE = '{"n_layer": 1, "n_embd": 10240, "n_head": 8, "block_size": 16, "corpus_bytes": 20000}'
 
+# As small as Ray's launcher schema allows (plan refuses what `ray up` would).
 CLUSTER = """\
+cluster_name: plan-test
+provider: {type: aws, region: us-west-2}
 available_node_types:
-  head: {resources: {CPU: 8, GPU: 0}, max_workers: 0}
-  a100: {resources: {GPU: 2}, max_workers: 1, labels: {hetero-ray/gpu-type: A100-80GB, hetero-ray/network-gbps: "100"}}
-  v100: {resources: {GPU: 4}, max_workers: 1, labels: {hetero-ray/gpu-type: V100-16GB, hetero-ray/network-gbps: "25"}}
+  head: {resources: {CPU: 8, GPU: 0}, max_workers: 0, node_config: {}}
+  a100: {resources: {GPU: 2}, max_workers: 1, node_config: {},
+         labels: {hetero-ray/gpu-type: A100-80GB, hetero-ray/network-gbps: "100"}}
+  v100: {resources: {GPU: 4}, max_workers: 1, node_config: {},
+         labels: {hetero-ray/gpu-type: V100-16GB, hetero-ray/network-gbps: "25"}}
 """
 
 
