@@ -25,10 +25,9 @@ import json
 import os
 import platform
 import time
-from pathlib import Path
 
-from hetero_ray.cli import write_json_atomically
 from hetero_ray.cluster.catalog import Catalog, load_catalog
+from hetero_ray.output import write_json
 from hetero_ray.perf.footprint import Footprint, measure_footprint
 from hetero_ray.plan.exhaustive import exhaustive_best_step
 from hetero_ray.plan.instances import random_instance
@@ -186,7 +185,7 @@ def main() -> None:
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:
-        write_json_atomically(Path(args.output), result)
+        write_json(args.output, result, force=True)  # a measurement replaces the last one
 
 
 if __name__ == "__main__":

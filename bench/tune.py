@@ -26,12 +26,12 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 
-from hetero_ray.cli import write_json_atomically
 from hetero_ray.cluster.emulation import EmulatedCluster
 from hetero_ray.config import parse_config
+from hetero_ray.output import write_json
+from hetero_ray.strict_yaml import load_yaml
 
 DEVICES = {"A100-80GB": 2, "V100-16GB": 4}
 WORKLOAD = {"name": "gpt", "options": {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64}}
@@ -73,8 +73,9 @@ def main() -> int:
     args.json = args.json or str(MEASUREMENTS / f"tune-{'throttled' if throttled else 'emulated'}.json")
 
     from tuning.results import best_trial, trials_frame
+    from tuning.settings import SweepSettings
     from tuning.space import WEIGHT_PREFIX, share_space
-    from tuning.sweep import SweepSettings, predicted_speeds, run_sweep, run_trials, trial_base
+    from tuning.sweep import predicted_speeds, run_sweep, run_trials, trial_base
 
     started = time.monotonic()
     out = Path(args.output_dir) / time.strftime("%Y%m%d-%H%M%S")
@@ -161,13 +162,13 @@ def main() -> int:
         "grid": rows(grid),
         "sweep": rows(sweep.trials),
         "sweep_files": {"csv": str(sweep.csv), "plot": str(sweep.plot), "best_config": str(sweep.best_config)},
-        "best_config": yaml.safe_load(sweep.best_config.read_text())["train"]["split"],
+        "best_config": load_yaml(sweep.best_config.read_text(), str(sweep.best_config))["train"]["split"],
         "load_average_1m_at_end": os.getloadavg()[0],
         "seconds": time.monotonic() - started,
     }
     text = json.dumps(result, indent=2)
     print(text)
-    write_json_atomically(Path(args.json), result)
+    write_json(args.json, result, force=True)  # a measurement replaces the last one
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`hetero-ray`: discover the cluster's GPUs, run the emulated demo, or train from a config."""
+"""`hetero-ray`: discover the cluster's GPUs, profile and plan them, train from a config, or run the emulated demo."""
 
 from __future__ import annotations
 
@@ -7,32 +7,62 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
+from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from hetero_ray.config import OPTIMIZERS
+from hetero_ray.output import check_output, write_json
+from hetero_ray.plan.memory import SCHEDULES
+from hetero_ray.suggest import did_you_mean
 
-from hetero_ray.cluster.catalog import CatalogError, UnknownGpuType
-from hetero_ray.config import ConfigError, RunConfig, load_config
-from hetero_ray.plan.plan import PlanError
-from hetero_ray.workloads import WorkloadError
+# Heavy modules (torch, Ray, pandas) are imported inside the commands that use them: `hetero-ray --help`
+# and a mistyped option answer at once (bench/cli.py measures it).
+if TYPE_CHECKING:
+    from rich.console import Console
 
-# Bad input: one line on stderr and exit code 2, never a traceback.
-USER_ERRORS = (ConfigError, CatalogError, UnknownGpuType, WorkloadError, PlanError)
+    from hetero_ray.config import RunConfig
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 
-def write_json_atomically(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON so that readers see the old file or the whole new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+def user_errors() -> tuple[type[Exception], ...]:
+    """Bad input: one line on stderr and exit code 2, never a traceback. Imported when an error is being
+    handled, since the workload's module brings torch."""
+    from hetero_ray.cluster.catalog import CatalogError, UnknownGpuType
+    from hetero_ray.config import ConfigError
+    from hetero_ray.output import OutputError
+    from hetero_ray.plan.plan import PlanError
+    from hetero_ray.workloads import WorkloadError
+
+    return (ConfigError, CatalogError, UnknownGpuType, WorkloadError, PlanError, OutputError)
+
+
+def one_of(names: Sequence[str], what: str) -> Callable[[str], str]:
+    """argparse type for an enumeration, with "did you mean" (argparse's own ``choices`` message lists only)."""
+
+    def parse(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {text!r}{did_you_mean(text, names)}; use one of {', '.join(names)}"
+            )
+        return text
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (``--duration 0`` would otherwise mean "the config's duration")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds (got {text})")
+    return value
 
 
 def _finish(result, args, console: Console, extra: dict[str, Any] | None = None) -> None:
@@ -40,7 +70,7 @@ def _finish(result, args, console: Console, extra: dict[str, Any] | None = None)
 
     out = {**result.to_dict(), "summary": summarise(result.metrics, result.dilation), **(extra or {})}
     if args.output:
-        write_json_atomically(Path(args.output), out)
+        write_json(args.output, out, force=args.force)
     if args.json:
         print(json.dumps(out))
     else:
@@ -49,8 +79,11 @@ def _finish(result, args, console: Console, extra: dict[str, Any] | None = None)
 
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
     """Train on the Ray cluster this process reaches (``ray job submit`` sets the address)."""
+    from hetero_ray.config import load_config
     from hetero_ray.train.prepare import prepare
 
+    if args.output:
+        check_output(args.output, force=args.force)
     cfg = load_config(args.config)
     prepared = prepare(cfg, args.plan)
     import ray
@@ -68,8 +101,9 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
 
 def _demo_config(args: argparse.Namespace, console: Console) -> RunConfig:
     from hetero_ray.cluster.cpu_slices import CgroupError, find_cpu_root
+    from hetero_ray.config import ConfigError, load_config
 
-    train = {"duration_s": args.duration} if args.duration else {}
+    train = {"duration_s": args.duration} if args.duration is not None else {}
     cfg = load_config(args.config, {"train": train})
     if cfg.emulation is None:
         raise ConfigError(f"{args.config}: the demo needs an 'emulation' section")
@@ -88,6 +122,7 @@ def _demo_config(args: argparse.Namespace, console: Console) -> RunConfig:
 def _train_with_progress(cfg: RunConfig, prepared, console: Console, label: str):
     """``run_training`` in a thread, with a live progress bar fed by rank 0's reports."""
     from ray.util.queue import Empty, Queue
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from hetero_ray.train.trainer import run_training
 
@@ -129,6 +164,8 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     planned one, with live progress; print where each device's step time went."""
     from hetero_ray.cluster.emulation import EmulatedCluster
 
+    if args.output:
+        check_output(args.output, force=args.force)
     cfg = _demo_config(args, console)
     cluster = EmulatedCluster(cfg.devices, gpus_per_node=cfg.emulation.gpus_per_node, cpu_share=cfg.emulation.cpu_share)
     # Ray reads its authentication mode once, at import: the token must be in the
@@ -276,6 +313,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
         catalog=load_catalog(args.gpus),
         as_json=args.json,
         output=args.output,
+        force=args.force,
         console=console,
     )
 
@@ -289,14 +327,31 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
         devices=args.devices,
         mix=args.mix,
         budget_gpus=args.budget_gpus,
+        mix_step=args.mix_step,
         inter_node_gbps=args.inter_node_gbps,
         gpus_per_node=args.gpus_per_node,
         req=_plan_request(args),
         catalog=load_catalog(args.gpus),
         as_json=args.json,
         output=args.output,
+        force=args.force,
         console=console,
     )
+
+
+def cmd_env(args: argparse.Namespace, console: Console) -> int:
+    """This machine as hetero-ray sees it, for bug reports: versions of hetero-ray, Python, Ray, torch and
+    DeepSpeed; the GPUs NVML sees; whether throttled emulated devices can be made (a writable cgroup cpu
+    controller); the Ray address and authentication mode a command would use. Starts no cluster."""
+    from hetero_ray.cluster.catalog import load_catalog
+    from hetero_ray.cluster.environment import environment, render_environment
+
+    report = environment(load_catalog(args.gpus))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        render_environment(report, console)
+    return 0
 
 
 def cmd_tune(args: argparse.Namespace, console: Console) -> int:
@@ -310,39 +365,57 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt", help="workload: a built-in name (gpt) or module:function")
     p.add_argument("--model-options", help="JSON object of the workload factory's keyword arguments")
     p.add_argument("--global-batch", type=int, default=72, help="samples per optimiser step (default 72)")
-    p.add_argument("--optimizer", default="adam", help="adam | onebit_adam | zero_one_adam (default adam)")
+    p.add_argument("--optimizer", default="adam", type=one_of(OPTIMIZERS, "optimizer"), choices=OPTIMIZERS,
+                   help="default adam")  # fmt: skip
     p.add_argument("--efficiency", type=float, default=0.4, help="fraction of catalog peak FLOP/s (default 0.4)")
     p.add_argument("--max-stages", type=int, default=8, help="most pipeline stages per pipeline (default 8)")
-    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b | gpipe (default 1f1b)")
+    p.add_argument("--schedule", default="1f1b", type=one_of(SCHEDULES, "schedule"), choices=SCHEDULES,
+                   help="pipeline schedule (default 1f1b)")  # fmt: skip
     p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
     p.add_argument("--gpus", help="YAML of extra GPU types (catalog schema)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--force", action="store_true", help="replace the --output file if it exists")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("hetero-ray")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `hetero-ray` command line: one subcommand per step of the user's journey, plus `env`."""
     parser = argparse.ArgumentParser(prog="hetero-ray", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"hetero-ray {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train from a config on the connected Ray cluster")
-    demo = sub.add_parser("demo", help="train on an emulated 2 × A100 + 4 × V100 cluster on this machine")
+    def command(name: str, func: Callable[[argparse.Namespace, Console], int], summary: str):
+        # The command's docstring is its description in `hetero-ray NAME --help`: one text, never two.
+        p = sub.add_parser(name, help=summary, description=func.__doc__)
+        p.set_defaults(func=func)
+        return p
+
+    train = command("train", cmd_train, "train from a config on the connected Ray cluster")
+    demo = command("demo", cmd_demo, "train on an emulated 2 × A100 + 4 × V100 cluster on this machine")
     for p in (train, demo):
         p.add_argument("--json", action="store_true", help="print the result as one JSON object")
         p.add_argument("--output", help="also write the result JSON to this file")
+        p.add_argument("--force", action="store_true", help="replace the --output file if it exists")
         p.add_argument("--verbose", action="store_true", help="show the workers' logs")
     train.add_argument("--config", required=True, help="run config YAML (see configs/)")
     train.add_argument("--plan", help="Plan JSON to run (from `hetero-ray plan --output`) instead of planning")
-    train.set_defaults(func=cmd_train)
     demo.add_argument("--config", default=str(DEFAULT_CONFIG), help="run config YAML with an emulation section")
-    demo.add_argument("--duration", type=float, help="seconds to train (default: the config's train.duration_s)")
-    demo.set_defaults(func=cmd_demo)
+    demo.add_argument(
+        "--duration", type=positive_float, help="seconds to train (default: the config's train.duration_s)"
+    )
 
-    discover = sub.add_parser("discover", help="list the GPUs on every node of a live cluster")
+    discover = command("discover", cmd_discover, "list the GPUs on every node of a live cluster")
     discover.add_argument("--address", help="Ray address (default: RAY_ADDRESS or a local cluster)")
     discover.add_argument("--gpus", help="YAML of extra GPU types to recognise")
-    discover.add_argument("--json", action="store_true")
-    discover.set_defaults(func=cmd_discover)
+    discover.add_argument("--json", action="store_true", help="print the nodes as one JSON object")
 
-    profile = sub.add_parser("profile", help="time a workload on every GPU type of a live cluster into a history file")
+    profile = command("profile", cmd_profile, "time a workload on every GPU type of a live cluster into a history")
     profile.add_argument("--history", required=True, help="parquet history file to append to (created if absent)")
     profile.add_argument("--workload", default="gpt", help="built-in workload name or module:function")
     profile.add_argument("--options", default="{}", help="workload options as a JSON object")
@@ -354,39 +427,46 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--gpus", help="YAML of extra GPU types")
     profile.add_argument("--address", help="Ray address (default: RAY_ADDRESS or a local cluster)")
     profile.add_argument("--json", action="store_true", help="print the rows as one JSON object")
-    profile.set_defaults(func=cmd_profile)
 
-    plan = sub.add_parser("plan", help="plan pipelines and data parallelism for a cluster-launcher file")
+    plan = command("plan", cmd_plan, "plan pipelines and data parallelism for a cluster-launcher file")
     plan.add_argument("--cluster", default="cluster.yaml", help="Ray cluster-launcher YAML (default cluster.yaml)")
     plan.add_argument("--output", default="plan.json", help="where to write the chosen Plan JSON (default plan.json)")
     _add_plan_arguments(plan)
-    plan.set_defaults(func=cmd_plan)
 
-    simulate = sub.add_parser("simulate", help="plan a cluster that does not exist, or the best mix per dollar")
+    simulate = command("simulate", cmd_simulate, "plan a cluster that does not exist, or the best mix per dollar")
     simulate.add_argument("--devices", help="GPUs per type, e.g. V100-16GB=512,A100-80GB=128")
     simulate.add_argument("--mix", help="GPU types to mix, e.g. A100-80GB,V100-16GB (with --budget-gpus)")
     simulate.add_argument("--budget-gpus", type=int, help="GPUs in every mix of --mix")
+    simulate.add_argument(
+        "--mix-step", type=int, default=1, help="--mix: count each type but the last in steps of this"
+    )
     simulate.add_argument("--inter-node-gbps", type=float, default=100.0, help="NIC Gbit/s per node (default 100)")
     simulate.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     simulate.add_argument("--output", help="also write the result JSON to this file")
     _add_plan_arguments(simulate)
-    simulate.set_defaults(func=cmd_simulate)
 
-    from tuning.sweep import add_arguments as add_tune_arguments
+    from tuning.settings import add_arguments as add_tune_arguments
 
-    tune = sub.add_parser("tune", help="sweep batch-size shares per GPU type with Ray Tune, from the prediction")
+    tune = command("tune", cmd_tune, "sweep batch-size shares per GPU type with Ray Tune, from the prediction")
     add_tune_arguments(tune)
-    tune.set_defaults(func=cmd_tune)
+
+    env = command("env", cmd_env, "versions, GPUs, cgroup support and Ray settings of this machine")
+    env.add_argument("--gpus", help="YAML of extra GPU types to recognise")
+    env.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `hetero-ray` console script and of `jobs/`."""
     args = build_parser().parse_args(argv)
+    from rich.console import Console
+
     console = Console(stderr=args.json if hasattr(args, "json") else False)
     try:
         return args.func(args, console)
-    except USER_ERRORS as exc:
+    except Exception as exc:
+        if not isinstance(exc, user_errors()):
+            raise
         print(f"hetero-ray: error: {exc}", file=sys.stderr)
         return 2
 

@@ -7,13 +7,15 @@ re-parses the command line or the file.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hetero_ray.cluster.cpu_slices import check_shares
+from hetero_ray.strict_yaml import YamlError, load_yaml
+from hetero_ray.suggest import did_you_mean
 
 
 class ConfigError(ValueError):
@@ -171,6 +173,7 @@ class TrainConfig(_Strict):
 
 
 ONEBIT_OPTIMIZERS = ("onebit_adam", "zero_one_adam")
+OPTIMIZERS = ("adam", *ONEBIT_OPTIMIZERS)
 # DeepSpeed's 1-bit Adam tutorial warms up for roughly 15-25% of training before compressing.
 DEFAULT_FREEZE_FRACTION = 0.15
 
@@ -273,6 +276,21 @@ class RunConfig(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _onebit_compresses(self) -> RunConfig:
+        # DeepSpeed's OnebitAdam compresses only after freeze_step: a warm-up as long as the run is plain Adam
+        # with 1-bit's overheads, and its results would be reported as 1-bit's.
+        if self.optimizer.name == "onebit_adam":
+            warmup, steps = self.optimizer.warmup_steps(self.train.steps), self.train.steps
+            if warmup >= steps:
+                given = "" if self.optimizer.freeze_step else " (the default, 15% of train.steps, at least 1)"
+                fix = f"a freeze_step below {steps} or more train.steps" if steps > 1 else "train.steps >= 2"
+                raise ValueError(
+                    f"optimizer.freeze_step: {warmup}{given} is not below train.steps {steps}, so compression "
+                    f"would never engage; use {fix}"
+                )
+        return self
+
     def hidden(self) -> RunConfig:
         """The config without the emulation's truth (``cpu_share``): what is handed to the workers."""
         if self.emulation is None or self.emulation.cpu_share is None:
@@ -288,14 +306,34 @@ class RunConfig(_Strict):
         return self.train.min_workers is not None and self.train.min_workers < self.num_workers
 
 
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The config model inside a field's type (``EmulationConfig | None``, ``list[DeviceEvent]``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for arg in get_args(annotation) if (m := _section(arg)) is not None), None)
+
+
+def _keys_at(loc: tuple[str | int, ...]) -> list[str]:
+    """The keys valid where ``loc`` ends (``("train", "stesp")``: TrainConfig's fields)."""
+    model: type[BaseModel] | None = RunConfig
+    for part in loc[:-1]:
+        if model is not None and isinstance(part, str):
+            field = model.model_fields.get(part)
+            model = _section(field.annotation) if field else None
+    return list(model.model_fields) if model else []
+
+
 def _one_line(exc: ValidationError, source: str) -> str:
     err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    # Checks across sections (model validators) have no location; their messages name the fields.
+    where = ".".join(str(p) for p in err["loc"]) + ": " if err["loc"] else ""
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        msg = "unknown key"
+        msg = "unknown key" + did_you_mean(err["loc"][-1], _keys_at(err["loc"]))
+    elif err["type"] == "literal_error":
+        msg += did_you_mean(err["input"], re.findall(r"'([^']*)'", err["ctx"]["expected"]))
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"{source}: {where}: {msg}{more}"
+    return f"{source}: {where}{msg}{more}"
 
 
 def parse_config(data: Any, source: str = "config") -> RunConfig:
@@ -312,13 +350,11 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
     """Read and validate a YAML config file; ``overrides`` are merged one level deep per section."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text(), str(path))
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where}: malformed YAML: {getattr(exc, 'problem', exc)}") from None
+    except YamlError as exc:
+        raise ConfigError(str(exc)) from None
     for section, values in (overrides or {}).items() if isinstance(data, dict) else ():
         if isinstance(values, dict) and isinstance(data.get(section), dict):
             data[section] = {**data[section], **values}

@@ -103,6 +103,13 @@ def bad_gpus_file(d: Path) -> Path:
     return d / "gpus.yaml"
 
 
+def twice_gpus_file(d: Path) -> Path:
+    """A gpus file whose one entry appears twice (the second valid: only the repetition is wrong)."""
+    entry = BAD_GPUS_YAML.removeprefix("gpus:\n").replace("memory_gib: -1", "memory_gib: 8")
+    (d / "gpus.yaml").write_text(f"gpus:\n{entry}{entry}")
+    return d / "gpus.yaml"
+
+
 def plan_dict() -> dict:
     """A sound Plan for 1 × A100-80GB + 2 × V100-16GB, global batch 8 (built by the planner)."""
     cfg = {**BASE, "devices": {"A100-80GB": 1, "V100-16GB": 2}, "train": {"global_batch": 8, "steps": 2}}
@@ -272,7 +279,8 @@ def plan_cmd(make: Callable[[Path], str], *args: str) -> Callable[[Path], list[s
 
     def argv(d: Path) -> list[str]:
         (d / "cluster.yaml").write_text(make(d))
-        return ["plan", "--cluster", str(d / "cluster.yaml"), "--output", str(d / "out.json"), *args]
+        return ["plan", "--cluster", str(d / "cluster.yaml"), "--output", str(d / "out.json"),
+                *(a.replace("{dir}", str(d)) for a in args)]  # fmt: skip
 
     return argv
 
@@ -337,7 +345,9 @@ CASES = [
          cli(train(lambda d: config(d, workload__name="no_such_module_xyz:build"))),
          r"workload\.name: cannot load 'no_such_module_xyz:build'"),
     Case("unknown-workload-option", TRAIN, "GPT option `n_layers: 2` (it is `n_layer`)",
-         cli(train(lambda d: config(d, workload__options={**TINY_GPT, "n_layers": 2}))), r"workload\.options: .*n_layers"),
+         cli(train(lambda d: config(d, workload__options={**TINY_GPT, "n_layers": 2}))),
+         r"workload\.options\.n_layers: unknown option \(did you mean 'n_layer'\?\); hetero_ray\.workloads\.gpt:build takes "
+         r"n_layer, "),
     Case("n_embd-not-multiple-of-n_head", TRAIN, "GPT `n_embd: 16, n_head: 3`",
          cli(train(lambda d: config(d, workload__options={**TINY_GPT, "n_head": 3}))), r"n_head"),
     # 200 bytes of corpus in 16-byte windows: (200 - 1) // 16 = 12 samples, fewer than the global batch of 64.
@@ -359,6 +369,58 @@ CASES = [
          rf"{CFG}: optimizer\.name: .*'adam', 'onebit_adam' or 'zero_one_adam'"),
     Case("zero-link-bandwidth", TRAIN, "`link: {bandwidth_gbps: 0}`",
          cli(train(lambda d: config(d, link={"bandwidth_gbps": 0}))), rf"{CFG}: link\.bandwidth_gbps: .*greater than 0"),
+    # A name close to a known one gets "did you mean".
+    Case("gpu-type-close", TRAIN, "`devices: {A100: 1}`", cli(train(lambda d: config(d, devices={"A100": 1}))),
+         r"devices: unknown GPU type 'A100' \(did you mean 'A100-40GB' or 'A100-80GB'\?\); known: "),
+    Case("train-key-close", TRAIN, "`train: {stesp: 3}`", cli(train(lambda d: config(d, train__stesp=3))),
+         rf"{CFG}: train\.stesp: unknown key \(did you mean 'steps'\?\)$"),
+    Case("section-close", TRAIN, "`optimiser: {name: adam}`", cli(train(lambda d: config(d, optimiser={"name": "adam"}))),
+         rf"{CFG}: optimiser: unknown key \(did you mean 'optimizer'\?\)$"),
+    Case("optimizer-close", TRAIN, "`optimizer: {name: onebit}`", cli(train(lambda d: config(d, optimizer={"name": "onebit"}))),
+         rf"{CFG}: optimizer\.name: .* \(did you mean 'onebit_adam'\?\)$"),
+    Case("simulate-gpu-type-close", "hetero-ray simulate", "`--devices v100-16gb=4`",
+         cli(simulate("--devices", "v100-16gb=4")), r"unknown GPU type 'v100-16gb' \(did you mean 'V100-16GB'"),
+    # json gives no position and a tab-indented file is not YAML, so the strict YAML reader cannot find the line.
+    Case("plan-duplicate-key-tabs", PLAN, "`global_batch` twice in a tab-indented file",
+         plan_file(lambda: '{\n\t"global_batch": 8,\n\t"global_batch": 9\n}'),
+         rf"{PLN}: duplicate key 'global_batch'; give each key once$"),
+    Case("plan-schedule-close", PLAN, "`schedule: 1f1`", plan_file(lambda: pipeline_plan_dict() | {"schedule": "1f1"}),
+         rf"{PLN}: schedule: unknown schedule '1f1' \(did you mean '1f1b'\?\); use one of 1f1b, gpipe$"),
+    # A key given twice, in every file hetero-ray reads (YAML would keep the last one silently).
+    Case("duplicate-device", TRAIN, "`devices:` listing `A100-80GB` twice",
+         cli(train(lambda d: config(d).replace("  V100-16GB: 1\n", "  V100-16GB: 1\n  A100-80GB: 2\n", 1))),
+         rf"{CFG}: line 4, column 3: duplicate key 'A100-80GB' \(first at line 2\); give each key once"),
+    Case("duplicate-gpus-file-entry", TRAIN, "`gpus_file:` with the entry `Tiny-GPU` twice",
+         cli(train(lambda d: config(d, gpus_file=str(twice_gpus_file(d))))),
+         r"{dir}/gpus\.yaml: line 12, column 3: duplicate key 'Tiny-GPU' \(first at line 2\)"),
+    Case("duplicate-plan-key", TRAIN, "`--plan` file giving `global_batch` twice",
+         cli(train_plan(lambda: json.dumps(two_device_plan(), indent=1).replace("{", '{"global_batch": 3,', 1))),
+         r"{dir}/plan\.json: line 2, column \d+: duplicate key 'global_batch' \(first at line 1\)"),
+    # Settings that can only be checked against another, checked before launch.
+    Case("onebit-freeze-past-steps", TRAIN, "`optimizer: {name: onebit_adam, freeze_step: 2}` with `steps: 2`",
+         cli(train(lambda d: config(d, optimizer={"name": "onebit_adam", "freeze_step": 2}))),
+         rf"{CFG}: optimizer\.freeze_step: 2 is not below train\.steps 2, so compression would never engage"),
+    Case("onebit-default-freeze-one-step", TRAIN, "`optimizer: {name: onebit_adam}` with `steps: 1`",
+         cli(train(lambda d: config(d, optimizer={"name": "onebit_adam"}, train__steps=1))),
+         rf"{CFG}: optimizer\.freeze_step: 1 \(the default.*use train\.steps >= 2"),
+    Case("storage-path-is-a-file", TRAIN, "`run: {storage_path: <a file>}`",
+         cli(train(lambda d: config(d, run={"name": "bad", "storage_path": str(d / "run.yaml")}))),
+         r"run\.storage_path: {dir}/run\.yaml is a file; name a directory"),
+    Case("train-plan-precision-card-lacks", TRAIN, "`--plan` giving the V100-16GB `precision: bf16`",
+         cli(train_plan(lambda: edit(two_device_plan(), "roles.1.precision", "bf16"))),
+         r"{dir}/plan\.json: roles\.1\.precision: V100-16GB has no bf16; use one of fp16, fp32"),
+    Case("train-output-is-a-directory", TRAIN, "`--output` naming a directory",
+         cli(lambda d: [*train(lambda d: config(d))(d), "--output", str(d)]),
+         r"--output: {dir} is a directory; name a file in it"),
+    Case("train-output-exists", TRAIN, "`--output` naming a file that exists, without `--force`",
+         cli(lambda d: [*train(lambda d: config(d))(d), "--output", str(d / "run.yaml")]),
+         r"--output: {dir}/run\.yaml exists; pass --force to replace it"),
+    Case("train-output-under-a-file", TRAIN, "`--output <a file>/result.json`",
+         cli(lambda d: [*train(lambda d: config(d))(d), "--output", str(d / "run.yaml" / "result.json")]),
+         r"--output: {dir}/run\.yaml is a file, so {dir}/run\.yaml/result\.json cannot be created; name another path"),
+    Case("simulate-output-is-a-directory", "hetero-ray simulate", "`--output` naming a directory",
+         cli(lambda d: ["simulate", "--devices", "V100-16GB=4", "--output", str(d)]),
+         r"--output: {dir} is a directory; name a file in it"),
     # Command lines (argparse prints its usage lines, then the one error line).
     Case("train-without-config", TRAIN, "no `--config`", cli(lambda d: ["train"]),
          r"the following arguments are required: --config"),
@@ -366,9 +428,12 @@ CASES = [
          r"invalid choice: 'bogus'"),
     Case("demo-duration-not-a-number", "hetero-ray demo", "`--duration x`", cli(lambda d: ["demo", "--duration", "x"]),
          r"argument --duration: invalid float value: 'x'"),
+    Case("demo-zero-duration", "hetero-ray demo", "`--duration 0`",
+         cli(lambda d: ["demo", "--duration", "0", "--output", str(d / "result.json")]),
+         r"argument --duration: must be > 0 seconds \(got 0\)"),
     Case("demo-negative-duration", "hetero-ray demo", "`--duration -5`",
          cli(lambda d: ["demo", "--duration", "-5", "--output", str(d / "result.json")]),
-         r"train\.duration_s: .*greater than 0"),
+         r"argument --duration: must be > 0 seconds \(got -5\)"),
     Case("demo-without-emulation", "hetero-ray demo", "a config without `emulation:`",
          cli(lambda d: ["demo", *train(lambda d: config(d, emulation=None))(d)[1:]]),
          r"the demo needs an 'emulation' section"),
@@ -389,13 +454,25 @@ CASES = [
          cli(lambda d: ["plan", "--cluster", str(d / "none.yaml"), "--output", str(d / "out.json")]),
          r"{dir}/none\.yaml: cannot read cluster file"),
     Case("plan-cmd-malformed-cluster", "hetero-ray plan", "`--cluster` file `available_node_types: {a: 1` (unclosed)",
-         cli(plan_cmd(lambda d: "available_node_types: {a: 1\n")), r"{dir}/cluster\.yaml: not valid YAML"),
+         cli(plan_cmd(lambda d: "available_node_types: {a: 1\n")), r"{dir}/cluster\.yaml: line 2, column 1: malformed YAML"),
+    Case("plan-cmd-duplicate-node-type", "hetero-ray plan", "cluster.yaml with two node types named `a100-80gb-x8`",
+         cli(plan_cmd(lambda d: CLUSTER_TEXT.replace("  h100-80gb-x8:", "  a100-80gb-x8:"))),
+         r"{dir}/cluster\.yaml: line \d+, column 3: duplicate key 'a100-80gb-x8' \(first at line \d+\)"),
     Case("plan-cmd-unknown-gpu-label", "hetero-ray plan", "cluster.yaml labelling a node type `Z100`",
          cli(plan_cmd(lambda d: CLUSTER_TEXT.replace("gpu-type: A100-80GB", "gpu-type: Z100"))),
-         r"unknown GPU type 'Z100'; known: .*; declare it in a gpus file"),
+         r"{dir}/cluster\.yaml: available_node_types\.a100-80gb-x8\.labels\.hetero-ray/gpu-type: unknown GPU type 'Z100'; "
+         r"known: .*; declare it in a gpus file"),
+    Case("plan-cmd-label-not-a-string", "hetero-ray plan", "cluster.yaml with `hetero-ray/network-gbps: 400` (unquoted)",
+         cli(plan_cmd(lambda d: CLUSTER_TEXT.replace('network-gbps: "400"', "network-gbps: 400"))),
+         r"{dir}/cluster\.yaml: available_node_types\.a100-80gb-x8\.labels\.hetero-ray/network-gbps: 400 is not of type "
+         r"'string' \(Ray's cluster-launcher schema\)$"),
     Case("plan-cmd-gpu-count-not-a-number", "hetero-ray plan", "cluster.yaml with `resources: {GPU: eight}`",
          cli(plan_cmd(lambda d: CLUSTER_TEXT.replace("{CPU: 96, GPU: 8}", "{CPU: 96, GPU: eight}"))),
-         r"{dir}/cluster\.yaml: available_node_types\.[\w-]+\.resources\.GPU: expected a whole number \(got 'eight'\)"),
+         r"{dir}/cluster\.yaml: available_node_types\.[\w-]+\.resources\.GPU: 'eight' is not of type 'integer' "
+         r"\(Ray's cluster-launcher schema\)$"),
+    Case("plan-cmd-not-a-launcher-file", "hetero-ray plan", "cluster.yaml without `cluster_name` and `provider`",
+         cli(plan_cmd(lambda d: "available_node_types:\n  g: {resources: {GPU: 4}, node_config: {}}\n")),
+         r"{dir}/cluster\.yaml: \(top level\): 'cluster_name' is a required property \(Ray's cluster-launcher schema\)$"),
     Case("plan-cmd-zero-global-batch", "hetero-ray plan", "`--global-batch 0`",
          cli(plan_cmd(lambda d: CLUSTER_TEXT, "--global-batch", "0")), r"--global-batch: must be >= 1 \(got 0\)"),
     Case("plan-cmd-bad-model-options", "hetero-ray plan", "`--model-options {bad`",
@@ -404,12 +481,33 @@ CASES = [
          cli(plan_cmd(lambda d: CLUSTER_TEXT, "--schedule", "interleaved")), r"unknown schedule 'interleaved'"),
     Case("plan-cmd-unknown-optimizer", "hetero-ray plan", "`--optimizer lamb`",
          cli(plan_cmd(lambda d: CLUSTER_TEXT, "--optimizer", "lamb")), r"--optimizer: unknown optimizer 'lamb'"),
+    Case("plan-cmd-labels-a-string", "hetero-ray plan", "cluster.yaml with `labels: A100-80GB` (a string)",
+         cli(plan_cmd(lambda d: re.sub(r"labels: \{hetero-ray/gpu-type: A100-80GB[^}]*\}", "labels: A100-80GB", CLUSTER_TEXT))),
+         r"{dir}/cluster\.yaml: available_node_types\.a100-80gb-x8\.labels: 'A100-80GB' is not of type 'object' "
+         r"\(Ray's cluster-launcher schema\)$"),
+    Case("plan-cmd-batch-beyond-dataset", "hetero-ray plan", "`--global-batch 64` on a 12-sample corpus",
+         cli(plan_cmd(lambda d: CLUSTER_TEXT, "--model-options", json.dumps({**TINY_GPT, "corpus_bytes": 200}),
+                      "--global-batch", "64")),
+         r"--global-batch: 64 is more than the workload's 12 samples"),
+    Case("plan-cmd-output-is-a-directory", "hetero-ray plan", "`--output` naming a directory",
+         cli(plan_cmd(lambda d: CLUSTER_TEXT, "--output", "{dir}")), r"--output: {dir} is a directory; name a file in it"),
+    Case("plan-cmd-output-exists", "hetero-ray plan", "`--output` naming a file that exists, without `--force`",
+         cli(plan_cmd(lambda d: CLUSTER_TEXT, "--output", "{dir}/cluster.yaml")),
+         r"--output: {dir}/cluster\.yaml exists; pass --force to replace it"),
+    Case("simulate-batch-beyond-dataset", "hetero-ray simulate", "`--global-batch 64` on a 12-sample corpus",
+         cli(simulate("--devices", "V100-16GB=4", "--model-options", json.dumps({**TINY_GPT, "corpus_bytes": 200}),
+                      "--global-batch", "64")),
+         r"--global-batch: 64 is more than the workload's 12 samples"),
     Case("simulate-bad-count", "hetero-ray simulate", "`--devices V100-16GB=abc`",
          cli(simulate("--devices", "V100-16GB=abc")), r"--devices: 'V100-16GB=abc' is not TYPE=COUNT"),
     Case("simulate-unknown-gpu", "hetero-ray simulate", "`--devices Z100=4`", cli(simulate("--devices", "Z100=4")),
          r"unknown GPU type 'Z100'"),
     Case("simulate-mix-without-budget", "hetero-ray simulate", "`--mix A100-80GB,V100-16GB` without `--budget-gpus`",
          cli(simulate("--mix", "A100-80GB,V100-16GB")), r"--budget-gpus: --mix needs a GPU budget >= 1"),
+    Case("simulate-mix-too-many", "hetero-ray simulate", "`--mix` of 3 types over `--budget-gpus 512`",
+         cli(simulate("--mix", "A100-80GB,V100-16GB,H100-80GB", "--budget-gpus", "512")),
+         r"--mix: 131,841 mixes of 3 types over 512 GPUs, one planner search each; at most 2,000: pass --mix-step 9 "
+         r"\(1,653 mixes\)"),
     Case("simulate-nothing", "hetero-ray simulate", "neither `--devices` nor `--mix`", cli(simulate()),
          r"give either --devices"),
     Case("profile-zero-micro-batch", "hetero-ray profile", "`--micro-batches 0`",
@@ -455,6 +553,9 @@ CASES = [
     Case("plan-offsets-overlap", PLAN, "`roles[2].sample_offset: 5`",
          plan_file(lambda: edit(plan_dict(), "roles.2.sample_offset", 5)),
          rf"{PLN}: roles\.2\.sample_offset: 5; .*starts at 6"),
+    Case("plan-precision-card-lacks", PLAN, "`roles[1].precision: bf16` on a V100-16GB (checked against the catalog)",
+         plan_file(lambda: edit(plan_dict(), "roles.1.precision", "bf16"), catalog=load_catalog),
+         rf"{PLN}: roles\.1\.precision: V100-16GB has no bf16; use one of fp16, fp32"),
     Case("plan-unknown-gpu-type", PLAN, "`roles[0].gpu_type: Z100` (checked against the catalog)",
          plan_file(lambda: edit(plan_dict(), "roles.0.gpu_type", "Z100"), catalog=load_catalog),
          rf"{PLN}: roles\.0\.gpu_type: unknown GPU type 'Z100'; known: .*A100-80GB"),
@@ -589,4 +690,4 @@ def test_bad_inputs_doc_is_current(tmp_path_factory: pytest.TempPathFactory) -> 
     assert DOC.exists() and DOC.read_text() == text, (
         "docs/bad-inputs.md is stale: HETERO_RAY_UPDATE_DOCS=1 python -m pytest tests/test_bad_input.py"
     )
-    assert len(CASES) >= 30
+    assert len(CASES) >= 50

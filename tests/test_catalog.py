@@ -300,7 +300,12 @@ def _bad(text: str, expected: str, case: str) -> pytest.ParameterSet:
         ),
         _bad("gpus:\n  A10G: 3\n", "entry 'A10G': must be a mapping of fields (got 3)", "entry-type"),
         _bad("- A10G\n", "must be a mapping with the single key 'gpus", "top-level"),
-        _bad("gpus: {A10G: [unclosed\n", "not valid YAML at line 2", "yaml"),
+        _bad("gpus: {A10G: [unclosed\n", "line 2, column 1: malformed YAML", "yaml"),
+        _bad(
+            GOOD_ENTRY + GOOD_ENTRY.split("gpus:\n")[1],
+            "line 13, column 3: duplicate key 'A10G' (first at line 3)",
+            "entry-twice",
+        ),
     ],
 )
 def test_bad_user_yaml_gives_one_line_error(tmp_path: Path, text: str, expected: str) -> None:

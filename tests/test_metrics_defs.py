@@ -107,7 +107,7 @@ def test_rank_0_records_its_device_and_the_run() -> None:
     assert records["hetero_ray_compute_fraction"].value == pytest.approx(0.8)
     assert records["hetero_ray_comm_seconds"].value == pytest.approx(0.2)
     # Counters add the window: 1000 bytes per step × 10 steps.
-    assert records["hetero_ray_bytes_sent"].value == 10_000
+    assert records["hetero_ray_sent_bytes"].value == 10_000
     assert records["hetero_ray_steps"].value == 10
     assert records["hetero_ray_balance_efficiency"].value == pytest.approx(0.8308, abs=1e-4)
     assert records["hetero_ray_run_samples_per_second"].tags == {"run": "r1", "emulated": "true"}
@@ -126,7 +126,7 @@ def test_other_ranks_record_only_their_own_device() -> None:
 def test_real_runs_do_not_emit_emulation_figures() -> None:
     real = {**REPORT, "emulated": False}
     names = by_name(report_records(real, rank=0, node="n", run="r"))
-    assert "hetero_ray_emulation_overruns" not in names and names["hetero_ray_loss"].tags["emulated"] == "false"
+    assert "hetero_ray_emulation_overrun_steps" not in names and names["hetero_ray_loss"].tags["emulated"] == "false"
 
 
 def test_emulated_health_emits_no_sensor_figures() -> None:
@@ -141,12 +141,12 @@ def test_emulated_health_emits_no_sensor_figures() -> None:
     )
     records = by_name(health_records(reading, rank=1, gpu_type="V100-16GB", run="r"))
     assert set(records) == {
-        "hetero_ray_gpu_utilisation",
+        "hetero_ray_gpu_utilization_ratio",
         "hetero_ray_gpu_memory_used_bytes",
         "hetero_ray_gpu_memory_total_bytes",
     }
-    assert records["hetero_ray_gpu_utilisation"].value == pytest.approx(0.9)
-    assert records["hetero_ray_gpu_utilisation"].tags["emulated"] == "true"
+    assert records["hetero_ray_gpu_utilization_ratio"].value == pytest.approx(0.9)
+    assert records["hetero_ray_gpu_utilization_ratio"].tags["emulated"] == "true"
 
 
 def real_reading() -> HealthReading:
@@ -174,6 +174,8 @@ def test_real_health_emits_every_reported_field() -> None:
     xids = {r.tags["xid"]: r.value for r in records if r.name == "hetero_ray_gpu_xid_events"}
     assert throttled == {"sw_power_cap", "hw_slowdown"} and xids == {"48": 1, "79": 2}
     assert by_name(records)["hetero_ray_gpu_power_watts"].value == 300.0
+    # Base units, as Prometheus names them: NVML's MHz are exported in hertz.
+    assert by_name(records)["hetero_ray_gpu_sm_clock_hertz"].value == 1410e6
 
 
 def test_events() -> None:
@@ -221,11 +223,15 @@ def test_dashboard_shows_every_metric_and_no_other() -> None:
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     used = {m for e in exprs for m in re.findall(r"\bray_hetero_ray_\w+", e)}
     assert used == {prometheus_name(d) for d in DEFINITIONS.values()}
-    # Every metric the dashboard filters by a tag has that tag.
+    # Every metric the dashboard filters by a tag has that tag (or is Ray's own label), and every series is
+    # filtered by the Ray session chosen at the top, so two clusters' runs of one name do not mix.
     for e in exprs:
         for name, labels in re.findall(r"\b(ray_hetero_ray_\w+)\{([^}]*)\}", e):
             (d,) = [d for d in DEFINITIONS.values() if prometheus_name(d) == name]
-            assert {k for k, _ in re.findall(r'(\w+)=~?"([^"]*)"', labels)} <= set(d.tag_keys), e
+            keys = {k for k, _ in re.findall(r'(\w+)=~?"([^"]*)"', labels)}
+            assert keys - {"SessionName"} <= set(d.tag_keys), e
+            assert 'SessionName=~"$SessionName"' in labels, e
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource", "SessionName", "run"]
     panel_ids = [p["id"] for p in dashboard["panels"]]
     assert len(panel_ids) == len(set(panel_ids))
 
@@ -249,7 +255,7 @@ def test_the_loops_report_has_the_shape_the_recorder_reads() -> None:
     finally:
         dist.destroy_process_group()
     records = by_name(report_records(report, rank=0, node="n", run="r"))
-    assert records["hetero_ray_bytes_sent"].value == pytest.approx(64.0 * 5)
+    assert records["hetero_ray_sent_bytes"].value == pytest.approx(64.0 * 5)
     assert records["hetero_ray_steps"].value == 5
     assert records["hetero_ray_balance_efficiency"].value == pytest.approx((8 / 0.5) / (8 / 0.4))
 

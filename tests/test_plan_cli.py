@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,16 @@ TINY = '{"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 64, "corpus_byte
 # One block of 12 × 10240² ≈ 1.26 G parameters: 18.8 GiB of weights, gradients and Adam state on one device.
 HUGE = '{"n_layer": 1, "n_embd": 10240, "n_head": 8, "block_size": 16, "corpus_bytes": 20000}'
 
+# As small as Ray's launcher schema allows (plan refuses what `ray up` would).
 CLUSTER = """\
+cluster_name: plan-test
+provider: {type: aws, region: us-west-2}
 available_node_types:
-  head: {resources: {CPU: 8, GPU: 0}, max_workers: 0}
-  a100: {resources: {GPU: 2}, max_workers: 1, labels: {hetero-ray/gpu-type: A100-80GB, hetero-ray/network-gbps: "100"}}
-  v100: {resources: {GPU: 4}, max_workers: 1, labels: {hetero-ray/gpu-type: V100-16GB, hetero-ray/network-gbps: "25"}}
+  head: {resources: {CPU: 8, GPU: 0}, max_workers: 0, node_config: {}}
+  a100: {resources: {GPU: 2}, max_workers: 1, node_config: {},
+         labels: {hetero-ray/gpu-type: A100-80GB, hetero-ray/network-gbps: "100"}}
+  v100: {resources: {GPU: 4}, max_workers: 1, node_config: {},
+         labels: {hetero-ray/gpu-type: V100-16GB, hetero-ray/network-gbps: "25"}}
 """
 
 
@@ -42,9 +49,29 @@ def test_plan_writes_a_plan_that_from_dict_reads(cluster: Path, tmp_path: Path, 
     assert plan == Plan.from_dict(printed["plans"][0])
     assert plan.global_batch == 48 and sum(r.gpu_type == "V100-16GB" for r in plan.roles) <= 4
     assert len(printed["plans"]) <= 3 and plan.explanation
-    # The table form prints the chosen plan's explanation too.
-    assert main(argv) == 0
+    # The table form prints the chosen plan's explanation too (replacing the file needs --force).
+    assert main([*argv, "--force"]) == 0
     assert "chosen:" in capsys.readouterr().out
+
+
+def test_output_has_normal_permissions_and_is_not_replaced_without_force(cluster: Path, tmp_path: Path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--cluster", str(cluster), "--model-options", TINY, "--global-batch", "48", "--output", str(out)]
+    umask = os.umask(0o022)
+    try:
+        assert main(argv) == 0
+    finally:
+        os.umask(umask)
+    # What `open()` would have made under umask 022, not mkstemp's 0600: the user's group may read it.
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
+    out.write_text("mine")
+    assert main(argv) == 2
+    assert "exists; pass --force to replace it" in capsys.readouterr().err
+    assert out.read_text() == "mine"
+    assert main([*argv, "--force"]) == 0
+    assert json.loads(out.read_text())["global_batch"] == 48
+    # Nothing left beside it: no temporary file from either run.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.yaml", "plan.json"]
 
 
 def test_simulate_devices_and_mix(tmp_path: Path, capsys):
@@ -61,6 +88,10 @@ def test_simulate_devices_and_mix(tmp_path: Path, capsys):
     # Dollars are the catalog's per-GPU prices times the counts.
     four_v100 = next(r for r in rows if r["devices"] == {"V100-16GB": 4})
     assert four_v100["usd_per_hour"] == pytest.approx(4 * 3.06)
+    # --mix-step counts every type but the last in steps: 0, 2 or 4 A100s.
+    assert main(["simulate", "--mix", "A100-80GB,V100-16GB", "--budget-gpus", "4", "--mix-step", "2", *args]) == 0
+    stepped = json.loads(capsys.readouterr().out)["mixes"]
+    assert sorted(r["devices"].get("A100-80GB", 0) for r in stepped) == [0, 2, 4]
 
 
 @pytest.mark.parametrize(
@@ -68,9 +99,7 @@ def test_simulate_devices_and_mix(tmp_path: Path, capsys):
     [
         (["plan", "--model-options", "{n_layer: 2}"], "--model-options: not valid JSON"),
         (["plan", "--model-options", TINY, "--global-batch", "0"], "--global-batch: must be >= 1 (got 0)"),
-        (["plan", "--model-options", TINY, "--optimizer", "sgd"], "--optimizer: unknown optimizer 'sgd'"),
         (["plan", "--model-options", TINY, "--model", "nosuch"], "workload.name: unknown workload 'nosuch'"),
-        (["plan", "--model-options", TINY, "--schedule", "zb"], "schedule: unknown schedule 'zb'"),
         (
             ["simulate", "--devices", "V100-16GB:4", "--model-options", TINY],
             "--devices: 'V100-16GB:4' is not TYPE=COUNT",

@@ -118,7 +118,8 @@ def test_topology_from_cluster_yaml():
 def test_cluster_yaml_without_network_label_is_one_line_error(tmp_path: Path):
     bad = tmp_path / "c.yaml"
     bad.write_text(
-        "available_node_types:\n  g:\n    resources: {GPU: 4}\n    max_workers: 1\n"
+        "cluster_name: c\nprovider: {type: aws, region: us-west-2}\n"
+        "available_node_types:\n  g:\n    resources: {GPU: 4}\n    max_workers: 1\n    node_config: {}\n"
         "    labels: {hetero-ray/gpu-type: A100-80GB}\n"
     )
     with pytest.raises(ConfigError, match=r"available_node_types\.g\.labels: needs 'hetero-ray/network-gbps"):

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -167,18 +168,25 @@ def _raylets_of(workdir: str) -> list[str]:
     return out.stdout.split()
 
 
-@pytest.mark.parametrize("how", ["exit", "sigterm"])
+@pytest.mark.parametrize("how", ["exit", "sigterm", "sigint-repeated"])
 def test_cgroups_and_raylets_are_gone_after_the_cluster_stops(how):
-    """On a normal stop and on SIGTERM, the cluster leaves no cgroup and no raylet behind."""
+    """On a normal stop, on SIGTERM, and on Ctrl-C pressed again and again while it stops, the cluster leaves
+    no cgroup and no raylet behind."""
     proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     base, workdir = proc.stdout.readline().split()
     assert Path(base).is_dir() and _raylets_of(workdir)
     if how == "sigterm":
         proc.send_signal(signal.SIGTERM)
+    elif how == "sigint-repeated":
+        # The first interrupts the `with` body; the next ones land while the cluster stops (a second or more).
+        while proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.05)
     else:
         proc.stdin.write("\n")
         proc.stdin.flush()
-    assert proc.wait(timeout=120) == (0 if how == "exit" else 128 + signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    assert code == {"exit": 0, "sigterm": 128 + signal.SIGTERM, "sigint-repeated": -signal.SIGINT}[how]
     assert not Path(base).exists()
     assert _raylets_of(workdir) == []
 

@@ -181,9 +181,9 @@ def test_metrics_endpoint_has_every_metric_with_its_tags(cluster, tmp_path):
         "local_batch",
         "compute_fraction",
         "comm_seconds",
-        "bytes_sent",
-        "emulation_overruns",
-        "gpu_utilisation",
+        "sent_bytes",
+        "emulation_overrun_steps",
+        "gpu_utilization_ratio",
         "gpu_memory_used_bytes",
         "gpu_memory_total_bytes",
     ]

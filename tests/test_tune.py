@@ -21,8 +21,9 @@ from hetero_ray.perf.footprint import measure_footprint
 from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.workloads import build_workload
 from tuning.results import best_trial, trials_frame, write_best_config, write_csv, write_plot
-from tuning.space import SweepError, plan_speeds, share_space, weights_of
-from tuning.sweep import SweepSettings, add_arguments, command, predicted_speeds, settings_from
+from tuning.settings import SweepError, SweepSettings, add_arguments, settings_from
+from tuning.space import plan_speeds, share_space, weights_of
+from tuning.sweep import command, predicted_speeds
 from tuning.trial import trial_config
 
 WORKLOAD = {
@@ -154,6 +155,23 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys, argv, match):
     assert err.count("\n") == 0 and match in err, err
     with pytest.raises(SweepError):
         settings_from(args)
+
+
+def test_an_earlier_sweeps_files_are_kept_without_force(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config()))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "best.yaml").write_text("mine")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--config", str(path), "--output-dir", str(tmp_path / "out"), "--address", "127.0.0.1:1"]
+    assert command(parser.parse_args(argv), Console(quiet=True)) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"hetero-ray: error: --output-dir: {tmp_path / 'out' / 'best.yaml'} exists; pass --force to replace it, or name another path"
+    )
+    assert (tmp_path / "out" / "best.yaml").read_text() == "mine"
 
 
 def test_one_type_config_is_refused_before_any_cluster(tmp_path, capsys):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -11,7 +9,9 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from tuning.space import MICRO_BATCH_KEY, WEIGHT_PREFIX, ShareSpace, SweepError, weights_of
+from hetero_ray.output import write_atomically
+from tuning.settings import SweepError
+from tuning.space import MICRO_BATCH_KEY, WEIGHT_PREFIX, ShareSpace, weights_of
 from tuning.trial import METRIC
 
 
@@ -51,21 +51,9 @@ def best_trial(trials: pd.DataFrame) -> pd.Series:
     return done.loc[done[METRIC].idxmax()]
 
 
-def _atomic(path: Path, write) -> None:
-    """Write through a temporary file and rename, so a reader never sees half a result."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
 def write_csv(trials: pd.DataFrame, path: Path) -> None:
     """The trial table as CSV."""
-    _atomic(path, lambda p: trials.to_csv(p, index=False))
+    write_atomically(path, lambda p: trials.to_csv(p, index=False))
 
 
 def write_plot(trials: pd.DataFrame, space: ShareSpace, path: Path, *, emulated: bool) -> None:
@@ -90,7 +78,7 @@ def write_plot(trials: pd.DataFrame, space: ShareSpace, path: Path, *, emulated:
         ax.legend(fontsize="small")
     fig.suptitle("share sweep" + (" — emulated devices" if emulated else ""))
     fig.tight_layout()
-    _atomic(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    write_atomically(path, lambda p: fig.savefig(p, format="png", dpi=100))
     plt.close(fig)
 
 
@@ -102,5 +90,5 @@ def write_best_config(base: Mapping[str, Any], best: pd.Series, space: ShareSpac
     if space.micro_batch_caps:
         train["max_micro_batch"] = int(best["max_micro_batch"])
     data = {**base, "train": train}
-    _atomic(path, lambda p: p.write_text(yaml.safe_dump(data, sort_keys=False)))
+    write_atomically(path, lambda p: p.write_text(yaml.safe_dump(data, sort_keys=False)))
     return data

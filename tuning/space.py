@@ -15,13 +15,10 @@ from dataclasses import dataclass
 from hetero_ray.config import RunConfig
 from hetero_ray.perf.model import PerfModel
 from hetero_ray.plan.plan import Plan
+from tuning.settings import SweepError
 
 WEIGHT_PREFIX = "weight:"
 MICRO_BATCH_KEY = "max_micro_batch"
-
-
-class SweepError(ValueError):
-    """Bad sweep input: one line saying what, where and what would be valid."""
 
 
 @dataclass(frozen=True, kw_only=True)

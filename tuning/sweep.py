@@ -14,47 +14,23 @@ import re
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 from rich.console import Console
 
 from hetero_ray.config import ConfigError, RunConfig, load_config
+from hetero_ray.output import OutputError, check_output
+from hetero_ray.strict_yaml import load_yaml
 from tuning.results import best_trial, trials_frame, write_best_config, write_csv, write_plot
-from tuning.space import ShareSpace, SweepError, model_speeds, plan_speeds, share_space
+from tuning.settings import SweepError, SweepSettings, add_arguments, settings_from
+from tuning.space import ShareSpace, model_speeds, plan_speeds, share_space
 from tuning.trial import METRIC, run_trial, trial_resources
 
-
-@dataclass(frozen=True, kw_only=True)
-class SweepSettings:
-    """How much to search: trials, each trial's length and metric windows, the space's width, early stopping."""
-
-    trials: int = 8
-    steps: int = 12
-    windows: int = 3
-    grace_windows: int = 1
-    spread: float = 3.0
-    random_trials: int = 2
-    seed: int = 0
-    micro_batch_caps: tuple[int, ...] = ()
-    history: str | None = None
-    output_dir: Path = field(default_factory=lambda: Path("tune-out"))
-
-    def __post_init__(self) -> None:
-        if self.trials < 1:
-            raise SweepError(f"--trials: {self.trials}; use at least 1 (the first evaluates the prediction)")
-        if self.windows < 1 or self.steps < self.windows or self.steps % self.windows:
-            raise SweepError(
-                f"--steps {self.steps} / --windows {self.windows}: steps must be a positive multiple of windows "
-                "(each window reports samples/s to Tune)"
-            )
-        if not 1 <= self.grace_windows <= self.windows:
-            raise SweepError(f"--grace-windows: {self.grace_windows}; use 1..{self.windows}")
-        if self.random_trials < 0:
-            raise SweepError(f"--random-trials: {self.random_trials}; use 0 or more")
+# What a sweep writes under --output-dir: the trial table, the throughput plot, the best config.
+RESULT_FILES = ("trials.csv", "throughput.png", "best.yaml")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,8 +178,7 @@ def run_sweep(cfg: RunConfig, base_yaml: Mapping[str, Any], settings: SweepSetti
         name=base.run.name,
     )
     trials = trials_frame(results, space, settings.windows)
-    out = settings.output_dir
-    csv, plot, best_path = out / "trials.csv", out / "throughput.png", out / "best.yaml"
+    csv, plot, best_path = (settings.output_dir / name for name in RESULT_FILES)
     write_csv(trials, csv)
     write_plot(trials, space, plot, emulated=emulated)
     best = best_trial(trials)
@@ -220,47 +195,6 @@ def run_sweep(cfg: RunConfig, base_yaml: Mapping[str, Any], settings: SweepSetti
     )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The sweep's command-line options (``hetero-ray tune`` and ``python -m tuning.sweep``)."""
-    d = SweepSettings()
-    p.add_argument("--config", required=True, help="run config YAML (its devices, workload and global batch)")
-    p.add_argument("--trials", type=int, default=d.trials, help=f"trials, the prediction first (default {d.trials})")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"training steps per trial (default {d.steps})")
-    p.add_argument("--windows", type=int, default=d.windows, help=f"samples/s reports per trial (default {d.windows})")
-    p.add_argument("--grace-windows", type=int, default=d.grace_windows, help="windows before ASHA may stop a trial")
-    p.add_argument("--spread", type=float, default=d.spread, help="search weights within ×/÷ this of the prediction")
-    p.add_argument("--random-trials", type=int, default=d.random_trials, help="random trials before TPE's model")
-    p.add_argument("--micro-batch-caps", help="also search a micro-batch cap among these, e.g. 8,16,32")
-    p.add_argument("--history", help="profile history (parquet): start from the performance model, not the catalog")
-    p.add_argument("--seed", type=int, default=d.seed, help="the sampler's seed")
-    p.add_argument("--output-dir", default=str(d.output_dir), help="where trials.csv, throughput.png, best.yaml go")
-    p.add_argument("--address", help="Ray address (default: RAY_ADDRESS or a local cluster)")
-
-
-def settings_from(args: argparse.Namespace) -> SweepSettings:
-    """Validated settings from parsed arguments; ``SweepError`` (one line) on bad values."""
-    caps: tuple[int, ...] = ()
-    if args.micro_batch_caps:
-        parts = args.micro_batch_caps.split(",")
-        if not all(s.strip().isdigit() and int(s) > 0 for s in parts):
-            raise SweepError(f"--micro-batch-caps: comma-separated positive integers (got {args.micro_batch_caps})")
-        caps = tuple(int(s) for s in parts)
-    if args.history and not Path(args.history).is_file():
-        raise SweepError(f"--history: {args.history} is not a file; profile first (hetero-ray profile --history …)")
-    return SweepSettings(
-        trials=args.trials,
-        steps=args.steps,
-        windows=args.windows,
-        grace_windows=args.grace_windows,
-        spread=args.spread,
-        random_trials=args.random_trials,
-        seed=args.seed,
-        micro_batch_caps=caps,
-        history=args.history,
-        output_dir=Path(args.output_dir),
-    )
-
-
 def command(args: argparse.Namespace, console: Console) -> int:
     """Run the sweep the arguments describe; bad input is one line on stderr and exit code 2."""
     from hetero_ray.perf.history import HistoryError
@@ -269,8 +203,10 @@ def command(args: argparse.Namespace, console: Console) -> int:
 
     try:
         settings = settings_from(args)
+        for name in RESULT_FILES:
+            check_output(settings.output_dir / name, force=args.force, option="--output-dir")
         cfg = load_config(args.config)
-        base_yaml = yaml.safe_load(Path(args.config).read_text())
+        base_yaml = load_yaml(Path(args.config).read_text(), args.config)  # load_config read it already
         # Checked before any cluster is reached.
         share_space(cfg, dict.fromkeys(cfg.devices, 1.0), spread=settings.spread)
         import ray
@@ -280,7 +216,7 @@ def command(args: argparse.Namespace, console: Console) -> int:
             sweep = run_sweep(cfg, base_yaml, settings, console)
         finally:
             ray.shutdown()
-    except (SweepError, ConfigError, PlanError, HistoryError, NoHistory) as exc:
+    except (SweepError, ConfigError, PlanError, HistoryError, NoHistory, OutputError) as exc:
         print(f"hetero-ray: error: {exc}", file=sys.stderr)
         return 2
     best = ", ".join(f"{t} {sweep.best[f'share:{t}']:.0f}" for t in sweep.space.predicted if f"share:{t}" in sweep.best)

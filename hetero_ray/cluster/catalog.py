@@ -17,9 +17,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-import yaml
 from pydantic import ConfigDict, Field, NonNegativeInt, PositiveFloat, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
+
+from hetero_ray.strict_yaml import YamlError, load_yaml
+from hetero_ray.suggest import did_you_mean
 
 Precision = Literal["fp32", "tf32", "fp16", "bf16"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
@@ -160,7 +162,7 @@ class Catalog:
             return self._specs[name]
         except KeyError:
             raise UnknownGpuType(
-                f"unknown GPU type {name!r}; known: {', '.join(self.names())}; "
+                f"unknown GPU type {name!r}{did_you_mean(name, self.names())}; known: {', '.join(self.names())}; "
                 f"declare it in a gpus file (--gpus FILE or {GPUS_ENV_VAR}, same schema as "
                 "hetero_ray/cluster/gpus.yaml)"
             ) from None
@@ -223,11 +225,9 @@ def _one_line(error: ValidationError) -> str:
 def _parse_gpus_yaml(text: str, origin: str) -> list[GpuSpec]:
     """GPU specs from the YAML ``text`` of a gpus file; ``origin`` names it in errors."""
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise CatalogError(f"{origin}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        data = load_yaml(text, origin)
+    except YamlError as exc:
+        raise CatalogError(str(exc)) from None
     if not isinstance(data, dict) or set(data) != {"gpus"} or not isinstance(data["gpus"], dict):
         raise CatalogError(f"{origin}: must be a mapping with the single key 'gpus: {{<type name>: {{fields}}}}'")
     specs: list[GpuSpec] = []

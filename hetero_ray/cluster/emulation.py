@@ -278,7 +278,18 @@ class EmulatedCluster:
                 raise RuntimeError(f"a `ray start` exited with code {proc.returncode} (logs: {self.workdir})")
 
     def stop(self) -> None:
-        """Stop every process this cluster started (and only those), then remove its cgroups."""
+        """Stop every process this cluster started (and only those), then remove its cgroups.
+
+        SIGINT and SIGTERM are held until that is done and delivered after: a second Ctrl-C (or a CI
+        runner's repeated TERM) while stopping would otherwise abort the cleanup half-way and orphan
+        the raylets."""
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            self._stop_processes()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+    def _stop_processes(self) -> None:
         for proc in reversed(self._procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -52,8 +52,13 @@ _DEFS = [
     ("local_batch", "gauge", "Samples this worker computes per step.", DEVICE_TAGS),
     ("compute_fraction", "gauge", "Compute time (emulated: modelled) / step time of this worker.", DEVICE_TAGS),
     ("comm_seconds", "gauge", "Mean gradient-synchronisation time per step of this worker.", DEVICE_TAGS),
-    ("bytes_sent", "counter", "Bytes this worker sent for gradient synchronisation.", DEVICE_TAGS),
-    ("emulation_overruns", "gauge", "Steps this emulated device could not pad: its times are the CPU's.", DEVICE_TAGS),
+    ("sent_bytes", "counter", "Bytes this worker sent for gradient synchronisation.", DEVICE_TAGS),
+    (
+        "emulation_overrun_steps",
+        "gauge",
+        "Steps this emulated device could not pad: its times are the CPU's.",
+        DEVICE_TAGS,
+    ),
     # Run-wide, recorded by rank 0.
     ("run_samples_per_second", "gauge", "Global batch / the slowest worker's step time.", RUN_TAGS),
     ("balance_efficiency", "gauge", "Achieved samples/s / the sum of each device's standalone samples/s.", RUN_TAGS),
@@ -63,14 +68,19 @@ _DEFS = [
     ("rebalances", "counter", "Times the workers re-split the batch, by cause.", (*RUN_TAGS, "cause")),
     ("excluded_workers", "gauge", "Workers the plan gives no samples, by GPU type.", (*RUN_TAGS, "gpu_type")),
     # Per device, from health readings.
-    ("gpu_utilisation", "gauge", "Fraction of time a kernel ran (NVML); emulated: busy / step time.", DEVICE_TAGS),
+    (
+        "gpu_utilization_ratio",
+        "gauge",
+        "Fraction of time a kernel ran (NVML); emulated: busy / step time.",
+        DEVICE_TAGS,
+    ),
     ("gpu_memory_used_bytes", "gauge", "Device memory in use (emulated: bytes under the cap).", DEVICE_TAGS),
     ("gpu_memory_total_bytes", "gauge", "Device memory (emulated: the type's cap).", DEVICE_TAGS),
     ("gpu_temperature_celsius", "gauge", "GPU temperature (real GPUs only).", DEVICE_TAGS),
     ("gpu_power_watts", "gauge", "Board power draw (real GPUs only).", DEVICE_TAGS),
-    ("gpu_sm_clock_mhz", "gauge", "SM clock (real GPUs only).", DEVICE_TAGS),
+    ("gpu_sm_clock_hertz", "gauge", "SM clock (real GPUs only).", DEVICE_TAGS),
     ("gpu_throttled", "gauge", "1 for each clock-event (throttle) reason now active.", (*DEVICE_TAGS, "reason")),
-    ("gpu_ecc_uncorrected", "gauge", "Volatile uncorrected ECC errors since the driver loaded.", DEVICE_TAGS),
+    ("gpu_ecc_uncorrected_errors", "gauge", "Volatile uncorrected ECC errors since the driver loaded.", DEVICE_TAGS),
     ("gpu_xid_events", "counter", "Critical XID events, by XID.", (*DEVICE_TAGS, "xid")),
     ("health_decisions", "counter", "Health policy decisions to shrink or exclude a device.", (*DEVICE_TAGS, "action")),
 ]
@@ -136,9 +146,9 @@ def report_records(report: Mapping[str, Any], *, rank: int, node: str, run: str)
     ]
     sent = device["bytes_sent"] * steps
     if sent > 0:
-        out.append(_record("hetero_ray_bytes_sent", sent, tags))
+        out.append(_record("hetero_ray_sent_bytes", sent, tags))
     if report["emulated"]:
-        out.append(_record("hetero_ray_emulation_overruns", device["overrun_steps"], tags))
+        out.append(_record("hetero_ray_emulation_overrun_steps", device["overrun_steps"], tags))
     if rank != 0:
         return out
     run_tags = {"run": run, "emulated": emulated}
@@ -171,13 +181,13 @@ def health_records(reading: HealthReading, *, rank: int, gpu_type: str, run: str
         "emulated": _flag(reading.emulated),
     }
     fields = {
-        "hetero_ray_gpu_utilisation": reading.utilisation,
+        "hetero_ray_gpu_utilization_ratio": reading.utilisation,
         "hetero_ray_gpu_memory_used_bytes": reading.memory_used_bytes,
         "hetero_ray_gpu_memory_total_bytes": reading.memory_total_bytes,
         "hetero_ray_gpu_temperature_celsius": reading.temperature_c,
         "hetero_ray_gpu_power_watts": reading.power_w,
-        "hetero_ray_gpu_sm_clock_mhz": reading.sm_clock_mhz,
-        "hetero_ray_gpu_ecc_uncorrected": reading.ecc_uncorrected,
+        "hetero_ray_gpu_sm_clock_hertz": None if reading.sm_clock_mhz is None else reading.sm_clock_mhz * 1e6,
+        "hetero_ray_gpu_ecc_uncorrected_errors": reading.ecc_uncorrected,
     }
     out = [_record(name, value, tags) for name, value in fields.items() if value is not None]
     out += [_record("hetero_ray_gpu_throttled", 1, {**tags, "reason": r}) for r in reading.throttle_reasons or ()]

@@ -68,6 +68,15 @@ class Footprint:
         """Weights, gradients and Adam moments, all fp32."""
         return self.param_count * STATIC_BYTES_PER_PARAM
 
+    def batch_problem(self, global_batch: int) -> str | None:
+        """Why ``global_batch`` cannot be drawn from the dataset (a step would repeat samples), or ``None``."""
+        if global_batch > self.dataset_samples:
+            return (
+                f"{global_batch} is more than the workload's {self.dataset_samples} samples; "
+                "use a smaller batch or more data"
+            )
+        return None
+
     def memory_bytes(self, micro_batch: int, activation_scale: float = 1.0) -> float:
         """Peak bytes on one device that runs ``micro_batch`` samples per forward pass."""
         return self.static_bytes + micro_batch * self.activation_bytes_per_sample * activation_scale

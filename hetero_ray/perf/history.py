@@ -50,7 +50,6 @@ import json
 import os
 import platform
 import socket
-import tempfile
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -60,6 +59,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from hetero_ray.output import write_atomically
 
 CPU = "cpu"
 CUDA_MEMORY = "cuda_max_allocated"
@@ -221,12 +222,5 @@ def append(path: str | os.PathLike[str], new: pd.DataFrame | Iterable[Measuremen
     with _locked(path):
         old = load(path)
         table = added if old.empty else old if added.empty else pd.concat([old, added], ignore_index=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            table.to_parquet(tmp, index=False)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(path, lambda tmp: table.to_parquet(tmp, index=False))
     return table

@@ -41,6 +41,7 @@ from hetero_ray.cluster.emulated_device import EmulatedDevice, EmulatedOOM
 from hetero_ray.perf.footprint import saved_activation_bytes
 from hetero_ray.perf.history import CPU, CUDA_MEMORY, HOST_MEMORY, Measurement, options_hash, options_json
 from hetero_ray.plan.cost import activation_scale
+from hetero_ray.suggest import did_you_mean
 from hetero_ray.train.precision import autocast
 from hetero_ray.workloads import Workload
 
@@ -78,7 +79,8 @@ class ProfileSpec:
         bad = [p for p in self.precisions if p not in PRECISIONS]
         if not self.precisions or bad:
             raise ProfileError(
-                f"precisions: {', '.join(bad) or 'none given'} not known; valid: {', '.join(PRECISIONS)}"
+                f"precisions: {', '.join(bad) or 'none given'} not known"
+                f"{did_you_mean(bad[0], PRECISIONS) if bad else ''}; valid: {', '.join(PRECISIONS)}"
             )
         if self.warmup < 0 or self.repeats < 1:
             raise ProfileError(f"warmup must be >= 0 and repeats >= 1 (got {self.warmup}, {self.repeats})")

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from hetero_ray.cluster.catalog import GpuSpec
-from hetero_ray.perf.footprint import Footprint
+
+if TYPE_CHECKING:  # an annotation only: the module imports torch, which `hetero-ray --help` must not wait for
+    from hetero_ray.perf.footprint import Footprint
 
 HALF_PRECISIONS = ("bf16", "fp16")
 # Activation checkpointing adds one forward to forward + backward (a forward is about 1/3 of both).

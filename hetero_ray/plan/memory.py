@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from hetero_ray.config import ONEBIT_OPTIMIZERS
 from hetero_ray.plan.cost import padded_numel
+from hetero_ray.suggest import did_you_mean
 
 WEIGHT_AND_GRAD_BYTES = 4 + 4
 # Adam's two fp32 moments (exp_avg, exp_avg_sq); DeepSpeed's 1-bit optimizers keep the same two.
@@ -41,7 +42,9 @@ def in_flight(schedule: str, micro_batches: int, stages: int, stage: int) -> int
         return micro_batches
     if schedule == "1f1b":
         return min(micro_batches, stages - stage)
-    raise ValueError(f"schedule: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    raise ValueError(
+        f"schedule: unknown schedule {schedule!r}{did_you_mean(schedule, SCHEDULES)}; use one of {', '.join(SCHEDULES)}"
+    )
 
 
 def activation_bytes(

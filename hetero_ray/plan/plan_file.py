@@ -15,9 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hetero_ray.cluster.catalog import Catalog
+from hetero_ray.cluster.catalog import Catalog, UnknownGpuType
 from hetero_ray.plan.memory import SCHEDULES
 from hetero_ray.plan.plan import Plan, PlanError
+from hetero_ray.strict_yaml import YamlError, load_yaml
+from hetero_ray.suggest import did_you_mean
 
 SCHEMA = 2
 
@@ -73,7 +75,7 @@ class _Plan(_Strict):
     @classmethod
     def _known_schedule(cls, v: str) -> str:
         if v not in SCHEDULES:
-            raise ValueError(f"unknown schedule {v!r}; use one of {', '.join(SCHEDULES)}")
+            raise ValueError(f"unknown schedule {v!r}{did_you_mean(v, SCHEDULES)}; use one of {', '.join(SCHEDULES)}")
         return v
 
 
@@ -170,10 +172,43 @@ def parse_plan(data: Any, source: str = "plan", *, catalog: Catalog | None = Non
         raise PlanError(f"{source}: {problem}")
     if catalog is not None:
         for i, role in enumerate(model.roles):
-            if role.gpu_type not in catalog:
-                known = ", ".join(catalog.names())
-                raise PlanError(f"{source}: roles.{i}.gpu_type: unknown GPU type {role.gpu_type!r}; known: {known}")
+            try:
+                has = catalog.get(role.gpu_type).peak_tflops
+            except UnknownGpuType as exc:
+                raise PlanError(f"{source}: roles.{i}.gpu_type: {exc}") from None
+            if role.precision not in has:
+                usable = ", ".join(p for p in ("bf16", "fp16", "fp32") if p in has)
+                raise PlanError(
+                    f"{source}: roles.{i}.precision: {role.gpu_type} has no {role.precision}; use one of {usable}"
+                )
     return Plan.from_dict(model.model_dump(by_alias=True))
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s object hook: a key given twice is refused (json itself keeps the last)."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def _where_duplicate(text: str, source: str, key: str) -> str:
+    """One line naming the repeated ``key``; its line comes from the strict YAML reader, as json gives none
+    (JSON is YAML's flow syntax)."""
+    try:
+        load_yaml(text, source)
+    except YamlError as exc:
+        if "duplicate key" in str(exc):
+            return str(exc)
+    return f"{source}: duplicate key {key!r}; give each key once"
 
 
 def load_plan(path: str | Path, *, catalog: Catalog | None = None, n_layers: int | None = None) -> Plan:
@@ -184,7 +219,9 @@ def load_plan(path: str | Path, *, catalog: Catalog | None = None, n_layers: int
     except OSError as exc:
         raise PlanError(f"{path}: cannot read plan: {exc.strerror}") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise PlanError(f"{path}: line {exc.lineno}, column {exc.colno}: malformed JSON: {exc.msg}") from None
+    except _DuplicateKey as exc:
+        raise PlanError(_where_duplicate(text, str(path), exc.key)) from None
     return parse_plan(data, str(path), catalog=catalog, n_layers=n_layers)

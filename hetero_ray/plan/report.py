@@ -10,22 +10,22 @@ import itertools
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from hetero_ray.cluster.catalog import Catalog
-from hetero_ray.config import ONEBIT_OPTIMIZERS, ConfigError
+from hetero_ray.config import OPTIMIZERS, ConfigError
+from hetero_ray.output import check_output, write_json
 from hetero_ray.perf.footprint import Footprint, measure_footprint
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
 from hetero_ray.plan.search import plan
 from hetero_ray.plan.topology import Topology, uniform_topology
+from hetero_ray.suggest import did_you_mean
 from hetero_ray.workloads import build_workload
 
 GiB = 2**30
-OPTIMIZERS = ("adam", *ONEBIT_OPTIMIZERS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +63,10 @@ def check_request(req: Request) -> None:
     if req.global_batch < 1:
         raise ConfigError(f"--global-batch: must be >= 1 (got {req.global_batch})")
     if req.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer: unknown optimizer {req.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+        raise ConfigError(
+            f"--optimizer: unknown optimizer {req.optimizer!r}{did_you_mean(req.optimizer, OPTIMIZERS)}; "
+            f"use one of {', '.join(OPTIMIZERS)}"
+        )
     if not 0 < req.efficiency <= 1:
         raise ConfigError(f"--efficiency: must be in (0, 1] (got {req.efficiency})")
     if req.max_stages < 1 or req.top < 1:
@@ -77,7 +80,11 @@ def footprint_of(req: Request) -> Footprint:
         torch.manual_seed(0)
         return build_workload(req.model, req.model_options)
 
-    return measure_footprint(factory)
+    footprint = measure_footprint(factory)
+    problem = footprint.batch_problem(req.global_batch)
+    if problem:
+        raise ConfigError(f"--global-batch: {problem}")
+    return footprint
 
 
 def parse_devices(text: str, catalog: Catalog) -> dict[str, int]:
@@ -152,17 +159,25 @@ def plans_table(plans: list[Plan], title: str) -> Table:
 
 
 def plan_command(
-    *, cluster: str, req: Request, catalog: Catalog, as_json: bool, output: str | None, console: Console
+    *,
+    cluster: str,
+    req: Request,
+    catalog: Catalog,
+    as_json: bool,
+    output: str | None,
+    force: bool = False,
+    console: Console,
 ) -> int:
     """`hetero-ray plan`: plans for the devices of a cluster-launcher file; writes the best one."""
-    from hetero_ray.cli import write_json_atomically
     from hetero_ray.plan.topology import load_cluster
 
+    if output:
+        check_output(output, force=force)
     check_request(req)
     spec = load_cluster(cluster, catalog)
     plans = search(spec.devices, catalog, footprint_of(req), spec.topology, req)
     if output:
-        write_json_atomically(Path(output), plans[0].to_dict())
+        write_json(output, plans[0].to_dict(), force=force)
     if as_json:
         print(json.dumps({"plans": [p.to_dict() for p in plans], "output": output}))
     else:
@@ -173,10 +188,21 @@ def plan_command(
     return 0
 
 
-def mixes(types: list[str], budget: int) -> list[dict[str, int]]:
-    """Every way to spend ``budget`` GPUs on ``types`` (0 of a type allowed, at least one GPU)."""
+# Each mix is one planner search (0.2-0.25 s at 512-4096 GPUs here, bench/planner.py): 2,000 are minutes.
+MAX_MIXES = 2000
+
+
+def mix_count(n_types: int, budget: int, step: int) -> int:
+    """How many mixes ``mixes`` yields: counts in multiples of ``step`` for all types but the last, which takes
+    the rest (stars and bars over ``budget // step`` units)."""
+    return math.comb(budget // step + n_types - 1, n_types - 1)
+
+
+def mixes(types: list[str], budget: int, step: int = 1) -> list[dict[str, int]]:
+    """Every way to spend ``budget`` GPUs on ``types`` (0 of a type allowed, at least one GPU), each type but the
+    last in multiples of ``step``."""
     out = []
-    for counts in itertools.product(range(budget + 1), repeat=len(types) - 1):
+    for counts in itertools.product(range(0, budget + 1, step), repeat=len(types) - 1):
         rest = budget - sum(counts)
         if rest >= 0:
             mix = dict(zip(types, (*counts, rest)))
@@ -194,12 +220,14 @@ def simulate_command(
     req: Request,
     catalog: Catalog,
     as_json: bool,
+    mix_step: int = 1,
     output: str | None,
+    force: bool = False,
     console: Console,
 ) -> int:
     """`hetero-ray simulate`: plans for a cluster that does not exist, or the best mix per dollar."""
-    from hetero_ray.cli import write_json_atomically
-
+    if output:
+        check_output(output, force=force)
     check_request(req)
     if (devices is None) == (mix is None):
         raise ConfigError("simulate: give either --devices TYPE=N,... or --mix TYPE,TYPE --budget-gpus N")
@@ -213,16 +241,16 @@ def simulate_command(
         plans = search(counts, catalog, footprint_of(req), topology, req)
         result = {"devices": counts, "modelled": True, "plans": [p.to_dict() for p in plans]}
         if output:
-            write_json_atomically(Path(output), result)
+            write_json(output, result, force=force)
         if as_json:
             print(json.dumps(result))
         else:
             console.print(plans_table(plans, f"modelled plans for {devices}"))
             console.print(f"[bold]best:[/bold] {plans[0].explanation}")
         return 0
-    rows = best_mixes(mix, budget_gpus, inter_node_gbps, gpus_per_node, req, catalog)
+    rows = best_mixes(mix, budget_gpus, inter_node_gbps, gpus_per_node, req, catalog, mix_step)
     if output:
-        write_json_atomically(Path(output), {"modelled": True, "mixes": rows})
+        write_json(output, {"modelled": True, "mixes": rows}, force=force)
     if as_json:
         print(json.dumps({"modelled": True, "mixes": rows}))
     else:
@@ -242,7 +270,13 @@ def simulate_command(
 
 
 def best_mixes(
-    mix: str, budget_gpus: int | None, inter_node_gbps: float, gpus_per_node: int, req: Request, catalog: Catalog
+    mix: str,
+    budget_gpus: int | None,
+    inter_node_gbps: float,
+    gpus_per_node: int,
+    req: Request,
+    catalog: Catalog,
+    mix_step: int = 1,
 ) -> list[dict]:
     """Every mix of ``budget_gpus`` GPUs of the listed types, planned, ranked by samples per dollar."""
     types = [t.strip() for t in mix.split(",") if t.strip()]
@@ -250,6 +284,19 @@ def best_mixes(
         raise ConfigError(f"--mix: give 1-4 distinct GPU types separated by commas (got {mix!r})")
     if budget_gpus is None or budget_gpus < 1:
         raise ConfigError(f"--budget-gpus: --mix needs a GPU budget >= 1 (got {budget_gpus})")
+    if mix_step < 1:
+        raise ConfigError(f"--mix-step: must be >= 1 (got {mix_step})")
+    count = mix_count(len(types), budget_gpus, mix_step)
+    if count > MAX_MIXES:
+        # Refused before the first search, with the step that brings the count within bounds.
+        fit = next(
+            s for s in range(mix_step + 1, budget_gpus + 1) if mix_count(len(types), budget_gpus, s) <= MAX_MIXES
+        )
+        raise ConfigError(
+            f"--mix: {count:,} mixes of {len(types)} types over {budget_gpus} GPUs, one planner search each; at most "
+            f"{MAX_MIXES:,}: pass --mix-step {fit} ({mix_count(len(types), budget_gpus, fit):,} mixes), fewer types "
+            "or a smaller --budget-gpus"
+        )
     prices = {}
     for t in types:
         price = catalog.get(t).price_per_hour_usd
@@ -261,7 +308,7 @@ def best_mixes(
     footprint = footprint_of(req)
     topology = uniform_topology(catalog, types, gpus_per_node=gpus_per_node, inter_node_gbps=inter_node_gbps)
     rows = []
-    for counts in mixes(types, budget_gpus):
+    for counts in mixes(types, budget_gpus, mix_step):
         usd = sum(prices[t] * n for t, n in counts.items())
         try:
             best = search(counts, catalog, footprint, topology, Request(**{**req.__dict__, "top": 1}))[0]

@@ -66,6 +66,7 @@ from hetero_ray.plan.stages import (
     workload_layers,
 )
 from hetero_ray.plan.topology import Topology
+from hetero_ray.suggest import did_you_mean
 
 GiB = 2**30
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -502,7 +503,9 @@ def build_space(
     if global_batch < 1:
         raise ValueError(f"global_batch: must be >= 1 (got {global_batch})")
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+        raise ValueError(
+            f"schedule: unknown schedule {schedule!r}{did_you_mean(schedule, SCHEDULES)}; use one of {', '.join(SCHEDULES)}"
+        )
     if max_stages < 1:
         raise ValueError(f"max_stages: must be >= 1 (got {max_stages})")
     if not rank_types:

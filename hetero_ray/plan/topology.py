@@ -10,14 +10,15 @@ launcher schema rejects unknown keys anywhere else).
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from hetero_ray.cluster.catalog import Catalog
+from hetero_ray.cluster.catalog import Catalog, UnknownGpuType
 from hetero_ray.config import ConfigError
+from hetero_ray.strict_yaml import YamlError, load_yaml
 
 GPU_TYPE_LABEL = "hetero-ray/gpu-type"
 NETWORK_LABEL = "hetero-ray/network-gbps"
@@ -94,11 +95,19 @@ class ClusterSpec:
     topology: Topology
 
 
-def _count(value: object, where: str) -> int:
-    """A whole-number count from YAML; anything else is a one-line ConfigError naming the field."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-        raise ConfigError(f"{where}: expected a whole number (got {value!r})")
-    return int(value)
+def _launcher_problem(data: object) -> str | None:
+    """What Ray's cluster launcher would refuse in ``data`` by its own schema (``ray up`` checks the same file),
+    as ``field: problem``; ``None`` when the schema accepts it. Only the schema: the launcher's other checks
+    need a cloud provider's defaults."""
+    import jsonschema  # only `plan` reads cluster files
+
+    # The schema file that ships in Ray's package; found without importing Ray.
+    ray_dir = Path(importlib.util.find_spec("ray").submodule_search_locations[0])
+    schema = json.loads((ray_dir / "autoscaler" / "ray-schema.json").read_text(encoding="utf-8"))
+    error = jsonschema.exceptions.best_match(jsonschema.Draft7Validator(schema).iter_errors(data))
+    if error is None:
+        return None
+    return f"{'.'.join(map(str, error.absolute_path)) or '(top level)'}: {error.message}"
 
 
 def load_cluster(path: str | Path, catalog: Catalog) -> ClusterSpec:
@@ -108,24 +117,30 @@ def load_cluster(path: str | Path, catalog: Catalog) -> ClusterSpec:
     node and the slowest NIC among them (a plan priced on those holds on any).
     """
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = load_yaml(Path(path).read_text(encoding="utf-8"), str(path))
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read cluster file ({exc.strerror or exc})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    node_types = data.get("available_node_types") if isinstance(data, dict) else None
-    if not isinstance(node_types, dict):
+    except YamlError as exc:
+        raise ConfigError(str(exc)) from None
+    if not isinstance(data, dict) or not isinstance(data.get("available_node_types"), dict):
         raise ConfigError(f"{path}: no 'available_node_types' mapping; expected a Ray cluster-launcher file")
+    problem = _launcher_problem(data)
+    if problem:
+        # A file `ray up` refuses cannot be the cluster a plan is for (labels must be strings, counts integers, …).
+        raise ConfigError(f"{path}: {problem} (Ray's cluster-launcher schema)")
     devices: dict[str, int] = {}
     kinds: dict[str, NodeKind] = {}
-    for name, node in node_types.items():
-        labels = (node or {}).get("labels") or {}
+    for name, node in data["available_node_types"].items():
+        where = f"{path}: available_node_types.{name}"
+        labels = node.get("labels", {})
         gpu_type = labels.get(GPU_TYPE_LABEL)
         if gpu_type is None:
             continue
-        where = f"{path}: available_node_types.{name}"
-        spec = catalog.get(gpu_type)
-        gpus = _count((node.get("resources") or {}).get("GPU", 0), f"{where}.resources.GPU")
+        try:
+            spec = catalog.get(gpu_type)
+        except UnknownGpuType as exc:
+            raise ConfigError(f"{where}.labels.{GPU_TYPE_LABEL}: {exc}") from None
+        gpus = node["resources"].get("GPU", 0)
         if gpus < 1:
             raise ConfigError(f"{where}.resources.GPU: a node labelled {gpu_type} needs GPU >= 1 (got {gpus})")
         try:
@@ -134,7 +149,7 @@ def load_cluster(path: str | Path, catalog: Catalog) -> ClusterSpec:
             raise ConfigError(
                 f"{where}.labels: needs '{NETWORK_LABEL}: \"<NIC Gbit/s>\"' (got {labels.get(NETWORK_LABEL)!r})"
             ) from None
-        devices[gpu_type] = devices.get(gpu_type, 0) + gpus * _count(node.get("max_workers", 0), f"{where}.max_workers")
+        devices[gpu_type] = devices.get(gpu_type, 0) + gpus * node.get("max_workers", 0)
         kind = NodeKind(
             gpu_type=gpu_type,
             gpus_per_node=gpus,

@@ -10,10 +10,11 @@ import os
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from hetero_ray.cluster.catalog import Catalog, load_catalog
+from hetero_ray.cluster.catalog import Catalog, UnknownGpuType, load_catalog
 from hetero_ray.config import ONEBIT_OPTIMIZERS, ConfigError, RunConfig
 from hetero_ray.perf.footprint import Footprint, cpu_seconds_per_sample, measure_footprint
 from hetero_ray.perf.history import load as load_history
@@ -202,19 +203,34 @@ def given_plan(path: str, cfg: RunConfig, catalog: Catalog, footprint: Footprint
     return plan
 
 
+def check_storage(storage_path: str) -> None:
+    """A local ``run.storage_path`` must be a directory or not exist yet (Ray Train creates it); a URI
+    (``s3://…``) is the storage's to check."""
+    if "://" in storage_path:
+        return
+    path = Path(storage_path).expanduser()
+    blocker = next((p for p in (path, *path.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        inside = "" if blocker == path else f", so {path} cannot be created"
+        raise ConfigError(
+            f"run.storage_path: {blocker} is a file{inside}; name a directory (Ray Train keeps checkpoints under it)"
+        )
+
+
 def prepare(cfg: RunConfig, plan_path: str | None = None) -> Prepared:
     """Validate the run against the catalog and the workload, and plan it (or check ``plan_path``'s plan);
     raise on bad input."""
     catalog = load_catalog(cfg.gpus_file)
     for name in cfg.devices:
-        if name not in catalog:
-            raise ConfigError(f"devices: unknown GPU type '{name}'; known: {', '.join(catalog.names())}")
+        try:
+            catalog.get(name)
+        except UnknownGpuType as exc:
+            raise ConfigError(f"devices: {exc}") from None
+    check_storage(cfg.run.storage_path)
     footprint = measure_footprint(_workload_factory(cfg))
-    if footprint.dataset_samples < cfg.train.global_batch:
-        raise ConfigError(
-            f"train.global_batch: {cfg.train.global_batch} is more than the workload's {footprint.dataset_samples} "
-            "samples; use a smaller batch or more data"
-        )
+    problem = footprint.batch_problem(cfg.train.global_batch)
+    if problem:
+        raise ConfigError(f"train.global_batch: {problem}")
     efficiency = cfg.emulation.efficiency if cfg.emulation else DEFAULT_EFFICIENCY
     emulated = cfg.emulation is not None
     plan = (

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
+
+from hetero_ray.suggest import did_you_mean
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -55,6 +58,24 @@ class WorkloadError(ValueError):
 BUILTIN = {"gpt": "hetero_ray.workloads.gpt:build"}
 
 
+def _keywords(factory: Callable[..., Any]) -> list[str]:
+    """The keyword arguments ``factory`` names, or ``[]`` when its signature cannot be read or takes ``**kwargs``."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # builtins and some C extensions have no signature
+        return []
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _unknown_option(factory: Callable[..., Any], options: Mapping[str, Any]) -> str | None:
+    """``"key: unknown option (did you mean …?)"`` for the first option ``factory`` does not take, else ``None``."""
+    known = _keywords(factory)
+    unknown = [k for k in options if known and k not in known]
+    return f"{unknown[0]}: unknown option{did_you_mean(unknown[0], known)}" if unknown else None
+
+
 def build_workload(name: str, options: Mapping[str, Any]) -> Workload:
     """Build the workload ``name`` (a built-in name or ``module:function``) with ``options``.
 
@@ -63,7 +84,7 @@ def build_workload(name: str, options: Mapping[str, Any]) -> Workload:
     target = BUILTIN.get(name, name)
     if ":" not in target:
         raise WorkloadError(
-            f"workload.name: unknown workload '{name}'; use one of {sorted(BUILTIN)} "
+            f"workload.name: unknown workload '{name}'{did_you_mean(name, BUILTIN)}; use one of {sorted(BUILTIN)} "
             "or 'module:function' returning a hetero_ray Workload"
         )
     module_name, _, attr = target.partition(":")
@@ -71,6 +92,9 @@ def build_workload(name: str, options: Mapping[str, Any]) -> Workload:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise WorkloadError(f"workload.name: cannot load '{target}': {exc}") from exc
+    problem = _unknown_option(factory, options)
+    if problem:
+        raise WorkloadError(f"workload.options.{problem}; {target} takes {', '.join(_keywords(factory))}")
     try:
         workload = factory(**options)
     except (TypeError, ValueError) as exc:
