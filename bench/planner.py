@@ -125,7 +125,7 @@ def predicted_over_measured(run: bool) -> dict:
         return {"predicted_over_measured": None, "predicted_over_measured_note": "not measured by this run"}
     from plan_accuracy import measure
 
-    records = measure()
+    records = measure(mode="padded")
     return {
         "predicted_over_measured": [r["predicted_over_measured"] for r in records],
         "predicted_over_measured_plans": records,

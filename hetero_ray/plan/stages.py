@@ -148,7 +148,11 @@ def stage_work(table: TypeTable, *, micro: int, flight: int, optimizer: str, wor
     mem_ckpt = static + kept * table.scale
     spf = table.seconds_per_flop
     if staged and table.per_sample_at is not None:
-        spf = (table.per_sample_at(micro) or spf * table.flops[-1]) / table.flops[-1]
+        # A stage pays the measured fixed cost of each micro-batch, but is never priced below a data-parallel
+        # worker's rate: the caches a small micro-batch uses better (measured on CPUs) come with costs per
+        # micro-batch this model leaves out (the schedule, the messages' host work), and throttled pipelines
+        # priced at that gain ran slower than the data parallelism they displaced.
+        spf = max(spf, (table.per_sample_at(micro) or 0.0) / table.flops[-1])
     compute = (table.flops[None, :] - table.flops[:, None]) * spf * micro
     n = len(table.out)
     idx = np.arange(n + 1)
