@@ -29,7 +29,7 @@ from dataclasses import replace
 from hetero_ray.cluster.emulation import EmulatedCluster
 from hetero_ray.config import RunConfig, parse_config
 from hetero_ray.plan import search
-from hetero_ray.train.prepare import Prepared, data_parallel_batches, prepare, profiled_speeds, rank_types, topology_for
+from hetero_ray.train.prepare import Prepared, prepare, profiled_speeds, rank_types, topology_for
 
 DEVICES = {"A100-80GB": 2, "V100-16GB": 2}
 WORKLOAD = {"name": "gpt", "options": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}}
@@ -80,8 +80,7 @@ def candidate_plans(cfg: RunConfig) -> list[tuple[str, RunConfig, Prepared]]:
         precision=cfg.train.precision,
         efficiency=prepared.efficiency,
         emulated=True,
-        # Priced as prepare priced the best plan: each type at the batch that plan gave it.
-        seconds_per_sample=profiled_speeds(cfg, prepared.catalog, data_parallel_batches(prepared.plan)),
+        seconds_per_sample=profiled_speeds(cfg, prepared.catalog),
         top_k=RANKED,
     )
     pipelines = [p for p in ranked if p.is_pipelined][:2]

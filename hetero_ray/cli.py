@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from hetero_ray.config import RunConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+# What `train` leaves beside a run's checkpoints, in the run's storage.
+RESULT_FILE = "result.json"
 
 
 def user_errors() -> tuple[type[Exception], ...]:
@@ -65,12 +67,22 @@ def positive_float(text: str) -> float:
     return value
 
 
-def _finish(result, args, console: Console, extra: dict[str, Any] | None = None) -> None:
+def _finish(
+    result, args, console: Console, extra: dict[str, Any] | None = None, *, run_dir: Path | None = None
+) -> None:
+    """Write the result to ``--output`` and, given ``run_dir``, beside the run's checkpoints as ``result.json``
+    (a job's ``--output`` lands in its working directory on the head; the run's storage is where the user
+    reads it); then print it."""
     from hetero_ray.train.summary import render, summarise
 
     out = {**result.to_dict(), "summary": summarise(result.metrics, result.dilation), **(extra or {})}
     if args.output:
         write_json(args.output, out, force=args.force)
+    if run_dir is not None:
+        # The run's own record, renewed by every run of that name, as its checkpoints are.
+        write_json(run_dir / RESULT_FILE, out, force=True)
+        if not args.json:
+            console.print(f"result: {run_dir / RESULT_FILE}")
     if args.json:
         print(json.dumps(out))
     else:
@@ -95,7 +107,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         result = run_training(cfg, prepared)
     finally:
         ray.shutdown()
-    _finish(result, args, console)
+    _finish(result, args, console, run_dir=Path(cfg.run.storage_path).expanduser() / cfg.run.name)
     return 0
 
 

@@ -321,37 +321,3 @@ def test_planner_prices_types_with_the_profiled_model(tmp_path):
     ]
     assert catalog_split[0] > catalog_split[1]  # the catalog: A100 fp32 19.5 vs V100 15.7 TFLOP/s
     assert profiled == [20, 20]  # measured: the same speed
-
-
-def test_planner_prices_each_type_at_the_batch_it_gets(tmp_path):
-    """A type whose time per sample grows with its batch (its caches) is priced at the batch the plan gives it:
-    the profiled split then balances the step times the profile predicts at those batches."""
-    from hetero_ray.config import parse_config
-    from hetero_ray.train.prepare import prepare
-
-    options = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "corpus_bytes": 20_000}
-    curves = {
-        "A100-80GB": StepCurve(overhead_s=0.0, per_sample_s=0.001, exponent=1.4),
-        "V100-16GB": StepCurve(overhead_s=0.0, per_sample_s=0.01, exponent=1.0),
-    }
-    rows = history.to_frame(
-        measurement(gpu_type=t, precision="fp32", micro_batch=b, step_s=c(b), workload_hash=options_hash(options))
-        for t, c in curves.items()
-        for b in (8, 16, 32, 64, 128)
-    )
-    history.append(tmp_path / "h.parquet", rows)
-    cfg = parse_config(
-        {
-            "devices": {"A100-80GB": 1, "V100-16GB": 1},
-            "workload": {"name": "gpt", "options": options},
-            "train": {"global_batch": 96, "precision": "fp32"},
-            "profile_history": str(tmp_path / "h.parquet"),
-        }
-    )
-    times = {r.gpu_type: curves[r.gpu_type](r.local_batch) for r in prepare(cfg).plan.roles}
-    assert max(times.values()) / min(times.values()) < 1.05
-    # Priced once, at the even share of 48 samples (0.0047 s a sample against the V100's 0.01), the A100
-    # would get 65 samples and take 1.12 times the V100's time.
-    at_even = curves["A100-80GB"](48) / 48
-    a100 = round(96 * 0.01 / (0.01 + at_even))
-    assert curves["A100-80GB"](a100) / curves["V100-16GB"](96 - a100) > 1.1

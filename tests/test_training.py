@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -46,7 +49,10 @@ def uninterrupted(cluster, tmp_path_factory) -> dict:
     job_id, out = submit(cluster, tmp, run_config(tmp / "runs", "uninterrupted"))
     status = wait_for(cluster, job_id)
     assert status == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    # The same result beside the run's checkpoints, in its storage, where the user reads it.
+    assert json.loads((tmp / "runs" / "uninterrupted" / "result.json").read_text()) == result
+    return result
 
 
 def test_job_submit_reports_result(uninterrupted):
@@ -169,8 +175,60 @@ def scrape(ports: list[int]) -> list[tuple[str, dict[str, str]]]:
     return samples
 
 
-def test_metrics_endpoint_has_every_metric_with_its_tags(cluster, tmp_path):
-    """A running job's figures reach the raylets' Prometheus endpoints, per rank and GPU type, labelled emulated."""
+@pytest.fixture(scope="module")
+def prometheus(cluster, tmp_path_factory):
+    """A real Prometheus (Debian's package; .ci/run installs it) scraping the cluster every second through the
+    service-discovery file Ray keeps in its session folder; yields its query URL."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("prometheus is not installed: apt-get install prometheus (.ci/run does)")
+    tmp = tmp_path_factory.mktemp("prometheus")
+    targets = cluster.workdir / "r" / "session_latest" / "prom_metrics_service_discovery.json"
+    (tmp / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: ray, file_sd_configs: [{{files: ['{targets}'], refresh_interval: 1s}}]}}]\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp / "prometheus.log", "wb")
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/-/ready", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp / "prometheus.log").read_text()[-2000:]
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def promql(url: str, query: str) -> list[dict]:
+    """The result vector of an instant PromQL query."""
+    answer = json.load(urllib.request.urlopen(f"{url}/api/v1/query?query={urllib.parse.quote(query)}", timeout=10))
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+def test_metrics_endpoint_has_every_metric_with_its_tags(cluster, prometheus, tmp_path):
+    """A running job's figures reach the raylets' Prometheus endpoints, per rank and GPU type, labelled emulated,
+    and a real Prometheus scraping the cluster answers a PromQL query with the values the run reported."""
     cfg = run_config(tmp_path / "runs", "metrics")
     cfg["train"] = {**cfg["train"], "steps": 400, "report_every": 2, "checkpoint_every": 400}
     job_id, _ = submit(cluster, tmp_path, cfg)
@@ -208,6 +266,17 @@ def test_metrics_endpoint_has_every_metric_with_its_tags(cluster, tmp_path):
                 -2000:
             ]
             time.sleep(3)
+        # Each rank's local batch as the run reports it (the plan's split, 4 : 4 : 2 : 2), through PromQL.
+        query = f'{prometheus_name(DEFINITIONS["hetero_ray_local_batch"])}{{run="metrics"}}'
+        found: dict[tuple[str, str], float] = {}
+        while not missing and time.monotonic() < deadline:
+            found = {
+                (r["metric"]["rank"], r["metric"]["gpu_type"]): float(r["value"][1]) for r in promql(prometheus, query)
+            }
+            if len(found) == 4:
+                break
+            time.sleep(2)
     finally:
         ray_cli(cluster, "job", "stop", job_id)
     assert not missing, f"not on the metrics endpoints (or not for every rank): {missing}"
+    assert found == {("0", "A100-80GB"): 4, ("1", "A100-80GB"): 4, ("2", "V100-16GB"): 2, ("3", "V100-16GB"): 2}

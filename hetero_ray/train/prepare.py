@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,8 +32,6 @@ from hetero_ray.workloads import build_workload
 DILATION_HEADROOM = 3.0
 # Speed of a type = catalog peak at its precision × this, until profiles say better.
 DEFAULT_EFFICIENCY = 0.4
-# Searches after the first, each pricing the types at the batches the last one gave them.
-REPRICE_ROUNDS = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,14 +81,11 @@ def topology_for(cfg: RunConfig, catalog: Catalog, types: list[str]) -> Topology
     )
 
 
-def profiled_speeds(
-    cfg: RunConfig, catalog: Catalog, at: Mapping[str, int] | None = None
-) -> Callable[[str, str, int | None], float] | None:
+def profiled_speeds(cfg: RunConfig, catalog: Catalog) -> Callable[[str, str, int | None], float] | None:
     """Seconds per sample by (type, precision, micro-batch) from the performance model fitted to
     ``profile_history``; ``None`` without a history.
 
-    Micro-batch ``None`` prices a data-parallel worker: at ``at[type]`` samples, or an even share of
-    the global batch per worker for a type ``at`` does not name.
+    Micro-batch ``None`` prices a data-parallel worker, at an even share of the global batch.
     """
     if cfg.profile_history is None:
         return None
@@ -107,19 +102,10 @@ def profiled_speeds(
     even = max(1, cfg.train.global_batch // cfg.num_workers)
 
     def seconds_per_sample(gpu_type: str, precision: str, micro_batch: int | None) -> float:
-        micro = micro_batch or (at or {}).get(gpu_type, even)
+        micro = micro_batch or even
         return model.step_seconds(gpu_type, micro, precision) / micro
 
     return seconds_per_sample
-
-
-def data_parallel_batches(plan: Plan) -> dict[str, int]:
-    """GPU type → the largest micro-batch its data-parallel workers run in ``plan`` (pipeline stages aside)."""
-    out: dict[str, int] = {}
-    for r in plan.roles:
-        if r.layers is None:
-            out[r.gpu_type] = max(out.get(r.gpu_type, 0), r.micro_batch)
-    return out
 
 
 def plan_for(
@@ -130,39 +116,26 @@ def plan_for(
     A proportional split goes to the placement planner, which weighs pipelines
     against data parallelism; an equal or explicit split is data parallelism with
     that split, as asked. 1-bit optimizers stay data-parallel: they do not run on
-    pipeline stages yet. With a profile, a type's time per sample depends on its
-    batch (its fixed cost per step, its caches): the plan is searched again with each
-    type priced at the batch the last search gave it, until the batches settle.
+    pipeline stages yet.
     """
     if cfg.train.split == "proportional" and footprint.layers:
-
-        def best(at: Mapping[str, int] | None) -> Plan:
-            plans = search.plan(
-                types,
-                catalog,
-                footprint,
-                global_batch=cfg.train.global_batch,
-                topology=topology_for(cfg, catalog, types),
-                optimizer=cfg.optimizer.name,
-                precision=cfg.train.precision,
-                efficiency=efficiency,
-                emulated=emulated,
-                seconds_per_sample=profiled_speeds(cfg, catalog, at),
-                top_k=1,
-                **({"max_stages": 1} if cfg.optimizer.name in ONEBIT_OPTIMIZERS else {}),
-            )
-            if isinstance(plans, Infeasible):
-                raise PlanError(plans.reason)
-            return plans[0]
-
-        plan, seen = best(None), []
-        while cfg.profile_history is not None and len(seen) < REPRICE_ROUNDS:
-            at = data_parallel_batches(plan)
-            if at in seen:
-                break
-            seen.append(at)
-            plan = best(at)
-        return plan
+        plans = search.plan(
+            types,
+            catalog,
+            footprint,
+            global_batch=cfg.train.global_batch,
+            topology=topology_for(cfg, catalog, types),
+            optimizer=cfg.optimizer.name,
+            precision=cfg.train.precision,
+            efficiency=efficiency,
+            emulated=emulated,
+            seconds_per_sample=profiled_speeds(cfg, catalog),
+            top_k=1,
+            **({"max_stages": 1} if cfg.optimizer.name in ONEBIT_OPTIMIZERS else {}),
+        )
+        if isinstance(plans, Infeasible):
+            raise PlanError(plans.reason)
+        return plans[0]
     link = cfg.link
     plan = plan_data_parallel(
         types,
