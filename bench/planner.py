@@ -155,7 +155,7 @@ def main() -> None:
         "labels": {
             "search_s_*": "measured: wall seconds of the search on this CPU (fastest of the repeats)",
             "worst_over_optimum, gain_*": "modelled: ratios of the planner's predicted step times",
-            "predicted_over_measured": "emulated: modelled step ÷ step measured on the emulated cluster",
+            "predicted_over_measured": "emulated, padded: modelled step ÷ step measured on the emulated cluster",
         },
         **search,
         "worst_over_optimum": worst,

@@ -107,7 +107,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         result = run_training(cfg, prepared)
     finally:
         ray.shutdown()
-    _finish(result, args, console, run_dir=Path(cfg.run.storage_path).expanduser() / cfg.run.name)
+    _finish(result, args, console, run_dir=cfg.run.run_dir)
     return 0
 
 
@@ -191,7 +191,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
 
     prepared = prepare(cfg)  # bad input fails here, before any cluster starts
     mode = cfg.emulation.mode
-    run_dir = Path(cfg.run.storage_path).expanduser() / cfg.run.name
+    run_dir = cfg.run.run_dir
     with contextlib.ExitStack() as stack:
         with console.status(f"starting the emulated cluster ({mode} devices, one Ray raylet per emulated node)…"):
             stack.enter_context(cluster)

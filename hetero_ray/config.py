@@ -216,6 +216,16 @@ class RunStorage(_Strict):
     name: str = "hetero-ray"
     storage_path: str = "~/hetero-ray-runs"
 
+    @property
+    def storage_dir(self) -> Path:
+        """``storage_path`` with ``~`` expanded: what Ray Train is given."""
+        return Path(self.storage_path).expanduser()
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's folder under the storage, where Ray Train keeps its checkpoints."""
+        return self.storage_dir / self.name
+
 
 class RunConfig(_Strict):
     """A whole run: which devices, which workload, how to train, where to store."""

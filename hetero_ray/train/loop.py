@@ -124,7 +124,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     else:
         model = workload.model.to(device)
     sync = make_sync(model, cfg, device, role.precision if role else None, buckets)
-    start_step, history = _restore(model, sync, Path(cfg.run.storage_path).expanduser() / cfg.run.name)
+    start_step, history = _restore(model, sync, cfg.run.run_dir)
     gpu_ids = ray.get_gpu_ids() if device.type == "cuda" else []
     monitor = WorkerMonitor(
         run=cfg.run.name,

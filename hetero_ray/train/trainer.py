@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -76,7 +75,7 @@ def run_training(cfg: RunConfig, prepared: Prepared | None = None, progress: Any
         scaling_config=scaling,
         run_config=RayRunConfig(
             name=cfg.run.name,
-            storage_path=str(Path(cfg.run.storage_path).expanduser()),
+            storage_path=str(cfg.run.storage_dir),
             checkpoint_config=CheckpointConfig(num_to_keep=3),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
         ),
