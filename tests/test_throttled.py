@@ -89,19 +89,107 @@ def test_each_device_has_its_own_slice(cluster):
         cluster.set_cpu_share("V100-16GB", 1, 0.2)
 
 
-def test_profile_measures_the_shares(profiled):
-    """The throttled devices' measured step times are in the shares' ratio, ±10 %."""
+# The reference: each device runs plain training steps for two seconds on its slice, both at once, as the
+# profile does, timed over the whole window, with the CPU time its process used in it. The CPU time is what a
+# quota sets, and it matches the shares to 2 %. The speed does not: a slice computes less per CPU second the
+# more of its time it shares the machine with the other (caches, and a virtual machine's cores that may be
+# one host core's two threads), so V100 : A100 ran 2.49-2.77 : 1 on one machine and 2.97-4.17 : 1 on another
+# against the shares' 2.5. The truth the profile must find is what the devices do, measured here.
+REFERENCE = textwrap.dedent(
+    """
+    import json, sys, time
+    import ray, torch
+    from torch.utils.data import default_collate
+    from hetero_ray.cluster.cpu_slices import join_device_slice
+    from hetero_ray.cluster.emulation import EMULATED_RESOURCE, GPU_TYPE_LABEL
+    from hetero_ray.workloads import build_workload
+
+    def step(workload, optimizer, batch):
+        workload.loss_fn(workload.model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    @ray.remote(num_cpus=1, resources={EMULATED_RESOURCE: 1})
+    def seconds_per_step(options, micro_batches, window_s=2.0):
+        claim = join_device_slice()
+        torch.set_num_threads(1)
+        workload = build_workload("gpt", options)
+        optimizer = torch.optim.AdamW(workload.model.parameters())
+        seconds, cores = {}, {}
+        for b in micro_batches:
+            batch = default_collate([workload.dataset[i] for i in range(b)])
+            for _ in range(3):  # warm-up
+                step(workload, optimizer, batch)
+            steps, start, cpu = 0, time.perf_counter(), time.process_time()
+            while time.perf_counter() - start < window_s:
+                step(workload, optimizer, batch)
+                steps += 1
+            wall = time.perf_counter() - start
+            seconds[b], cores[b] = wall / steps, (time.process_time() - cpu) / wall
+        return {"seconds": seconds, "cores": cores}
+
+    ray.init(address="auto")
+    options, types = json.loads(sys.argv[1]), sys.argv[2].split(",")
+    refs = [seconds_per_step.options(label_selector={GPU_TYPE_LABEL: t}).remote(options, [2, 8]) for t in types]
+    print(json.dumps(dict(zip(types, ray.get(refs)))))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster) -> dict[str, dict[str, dict[int, float]]]:
+    """Per type, seconds per step and cores used at micro-batches 2 and 8, over two-second windows."""
+    done = subprocess.run(
+        [sys.executable, "-c", REFERENCE, json.dumps(PROFILE_OPTIONS), ",".join(SHARES)],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.splitlines()[-1])
+    return {
+        t: {k: {int(b): x for b, x in per_b.items()} for k, per_b in figures.items()} for t, figures in measured.items()
+    }
+
+
+def _v100_over_a100(reference, b: int) -> float:
+    return reference["V100-16GB"]["seconds"][b] / reference["A100-80GB"]["seconds"][b]
+
+
+# Run to run on one throttled cluster, the profile's ratio was within -18 % and +14 % of the reference's
+# (8 pairs; both measure the same devices, a minute apart, and the devices' interference drifts).
+SAME_DEVICES = 0.2
+
+
+def test_the_slices_get_their_shares(reference):
+    """Each device's process uses its share of a core (the quota), and the devices differ at least as the
+    shares do: a slice never computes more per CPU second than a faster one does."""
+    for t, share in SHARES.items():
+        for b in (2, 8):
+            assert reference[t]["cores"][b] == pytest.approx(share, rel=0.05), (t, reference)
+    for b in (2, 8):
+        assert _v100_over_a100(reference, b) > 0.8 * TRUE_RATIO, reference
+
+
+def test_profile_measures_what_the_devices_do(profiled, reference):
+    """The profile's V100 : A100 step times are the devices' own (the reference's), within their drift."""
     table = history.load(profiled)
     assert table["emulated"].all() and (table["clock"] == "wall").all()
     step = table.set_index(["gpu_type", "micro_batch"])["step_s"]
     for b in (2, 8):
         ratio = step["V100-16GB", b] / step["A100-80GB", b]
-        assert ratio == pytest.approx(TRUE_RATIO, rel=0.10), (b, step.to_dict())
+        assert ratio == pytest.approx(_v100_over_a100(reference, b), rel=SAME_DEVICES), (b, reference, step.to_dict())
 
 
-def test_plan_from_the_profile_splits_by_the_true_ratio(profiled):
-    """From the profile alone (the catalog says A100 : V100 = 1.24 : 1 in fp32), the shares come within
-    10 % of the slices' 2.5 : 1."""
+def _a100_samples_of_14(speed: float) -> float:
+    return 14 * speed / (1 + speed)
+
+
+def test_plan_from_the_profile_splits_by_the_devices_speeds(profiled, reference):
+    """From the profile alone (the catalog says A100 : V100 = 1.24 : 1 in fp32), a proportional split of 14
+    samples gives the A100 its share by the devices' measured speeds at the even share (7 samples, from the
+    reference, within the devices' drift), to within one sample more: a sample is 7 % of this batch."""
     cfg = parse_config(
         {
             "devices": {"A100-80GB": 1, "V100-16GB": 1},
@@ -115,7 +203,10 @@ def test_plan_from_the_profile_splits_by_the_true_ratio(profiled):
     footprint = measure_footprint(lambda: build_workload("gpt", PROFILE_OPTIONS))
     plan = plan_for(cfg, ["A100-80GB", "V100-16GB"], catalog, footprint, 0.4, emulated=True)
     shares = {r.gpu_type: r.local_batch for r in plan.roles}
-    assert shares["A100-80GB"] / shares["V100-16GB"] == pytest.approx(TRUE_RATIO, rel=0.10), shares
+    at_7 = {t: f["seconds"][2] + (f["seconds"][8] - f["seconds"][2]) * (7 - 2) / (8 - 2) for t, f in reference.items()}
+    speed = at_7["V100-16GB"] / at_7["A100-80GB"]  # A100 : V100 samples per second
+    low, high = _a100_samples_of_14(speed * (1 - SAME_DEVICES)), _a100_samples_of_14(speed * (1 + SAME_DEVICES))
+    assert low - 1 < shares["A100-80GB"] < high + 1, (shares, reference)
     catalog_plan = plan_for(
         cfg.model_copy(update={"profile_history": None}),
         ["A100-80GB", "V100-16GB"],
