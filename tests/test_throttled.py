@@ -163,12 +163,17 @@ SAME_DEVICES = 0.2
 
 
 def test_the_slices_get_their_shares(reference):
-    """Each device's process uses its share of a core (the quota), and the devices differ at least as the
-    shares do: a slice never computes more per CPU second than a faster one does."""
+    """Each device's process uses its share of a core: never more (the quota caps it), and nearly all of it,
+    so the two devices' CPU time stands at the shares' 2.5 : 1 within 10 %. Nearly, not all: on a loaded
+    virtual machine the other processes and the host's steal take a little (CI measured 0.90 of a 0.95 share).
+    And the devices differ at least as the shares do: a slice never computes more per CPU second than a
+    faster one does."""
     for t, share in SHARES.items():
         for b in (2, 8):
-            assert reference[t]["cores"][b] == pytest.approx(share, rel=0.05), (t, reference)
+            assert 0.9 * share <= reference[t]["cores"][b] <= 1.02 * share, (t, reference)
     for b in (2, 8):
+        cores = reference["A100-80GB"]["cores"][b] / reference["V100-16GB"]["cores"][b]
+        assert cores == pytest.approx(TRUE_RATIO, rel=0.1), reference
         assert _v100_over_a100(reference, b) > 0.8 * TRUE_RATIO, reference
 
 
