@@ -124,9 +124,9 @@ def main() -> int:
             ray.shutdown()
     finally:
         cluster.stop()
-    grid = trials_frame(grid_results, space, settings.windows)
+    grid = trials_frame(grid_results, space)
     grid.to_csv(out / "grid.csv", index=False)
-    grid_best, sweep_best = best_trial(grid), sweep.best
+    grid_best, sweep_best = best_trial(grid_results, grid), sweep.best
     shares = [f"share:{t}" for t in DEVICES]
 
     def rows(frame):

@@ -7,8 +7,12 @@ The end-to-end test starts one emulated Ray cluster for the module (1 × A100-80
 from __future__ import annotations
 
 import argparse
+import json
+import signal
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -90,34 +94,79 @@ def test_micro_batch_caps_are_searched_and_reach_the_trial():
     assert trial.run.name != cfg.run.name
 
 
-def _results(space) -> list[dict]:
-    def metrics(window, rate, a100):
-        return {
-            "samples_per_s": rate,
-            "step_s": 24 / rate,
-            "window": window,
-            "emulated": True,
-            "share:A100-80GB": a100,
-            "share:V100-16GB": 24 - a100,
-        }
+# Real Tune experiments, run by a stand-in trainable in their own process (a local Ray), read back from disk as
+# ResultGrids: "mixed" has a complete trial, one that ASHA would have stopped after one window, another complete
+# one and one that fails before its first report; "partial" only the early-stopped and the failed ones.
+SCRIPTED = textwrap.dedent(
+    """
+    import os, secrets, sys, tempfile
+    from pathlib import Path
 
-    return [
-        {"config": {"weight:A100-80GB": 2.5}, "metrics": metrics(3, 40.0, 17)},
-        {"config": {"weight:A100-80GB": 1.1}, "metrics": metrics(1, 20.0, 13)},  # stopped by ASHA
-        {"config": {"weight:A100-80GB": 4.0}, "metrics": metrics(3, 30.0, 19)},
-    ]
+    tmp = tempfile.mkdtemp(prefix="hr-")
+    (Path(tmp) / "token").write_text(secrets.token_hex(32))
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(Path(tmp) / "token"))
+    os.environ.pop("RAY_ADDRESS", None)
+    import ray
+    from ray import tune
+    from tuning.trial import window_result
+
+    TRIALS = {2.5: (3, 40.0, 17), 1.1: (1, 20.0, 13), 4.0: (3, 30.0, 19)}
+
+    def trainable(config):
+        if config["weight:A100-80GB"] not in TRIALS:
+            raise RuntimeError("no worker could start")
+        windows, rate, a100 = TRIALS[config["weight:A100-80GB"]]
+        devices = [
+            {"gpu_type": t, "local_batch": b, "micro_batch": b, "overrun_steps": 0}
+            for t, b in (("A100-80GB", a100), ("V100-16GB", 24 - a100))
+        ]
+        for w in range(1, windows + 1):
+            metrics = {"samples_per_s": rate, "step_s": 24 / rate, "step": 4 * w - 1, "emulated": True, "devices": devices}
+            tune.report(window_result(metrics, w, final=w == 3))
+
+    ray.init(address="local", _temp_dir=tmp, num_cpus=1, object_store_memory=80 * 2**20, include_dashboard=False)
+    for name, weights in (("mixed", [2.5, 1.1, 4.0, 0.5]), ("partial", [1.1, 0.5])):
+        tune.Tuner(
+            trainable,
+            param_space={"weight:A100-80GB": tune.grid_search(weights)},
+            tune_config=tune.TuneConfig(max_concurrent_trials=1),
+            run_config=tune.RunConfig(name=name, storage_path=sys.argv[1], verbose=0),
+        ).fit()
+    ray.shutdown()
+    """
+)
 
 
-def test_results_table_plot_and_best_config(tmp_path):
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory) -> Path:
+    store = tmp_path_factory.mktemp("tune")
+    done = subprocess.run([sys.executable, "-c", SCRIPTED, str(store)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return store
+
+
+def _grid(store: Path, name: str):
+    from ray.tune import ExperimentAnalysis, ResultGrid
+
+    return ResultGrid(ExperimentAnalysis(str(store / name)))
+
+
+def test_results_table_plot_and_best_config(scripted, tmp_path):
     base = config(split="proportional")
     cfg = parse_config(base)
     space = share_space(cfg, {"A100-80GB": 2.5, "V100-16GB": 1.0})
-    trials = trials_frame(_results(space), space, max_windows=3)
-    assert list(trials["complete"]) == [True, False, True]
-    best = best_trial(trials)
+    grid = _grid(scripted, "mixed")
+    trials = trials_frame(grid, space)
+    # Tune's order, each trial's last window; the failed one is kept, with its error's last line.
+    assert trials["weight:A100-80GB"].tolist() == [2.5, 1.1, 4.0, 0.5]
+    assert list(trials["complete"]) == [True, False, True, False]
+    assert trials["windows"].tolist()[:3] == [3, 1, 3] and trials["share:A100-80GB"].tolist()[:3] == [17, 13, 19]
+    assert trials["error"].isna().tolist() == [True, True, True, False]
+    assert "RuntimeError: no worker could start" in trials["error"].iloc[3]
+    best = best_trial(grid, trials)
     assert best["samples_per_s"] == 40.0 and best["weight:A100-80GB"] == 2.5
     write_csv(trials, tmp_path / "t.csv")
-    assert pd.read_csv(tmp_path / "t.csv")["samples_per_s"].tolist() == [40.0, 20.0, 30.0]
+    assert pd.read_csv(tmp_path / "t.csv")["samples_per_s"].tolist()[:3] == [40.0, 20.0, 30.0]
     write_plot(trials, space, tmp_path / "t.png", emulated=True)
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     write_best_config(base, best, space, tmp_path / "best.yaml")
@@ -127,12 +176,14 @@ def test_results_table_plot_and_best_config(tmp_path):
     assert loaded.train.steps == 100 and loaded.emulation.dilation == "auto"
 
 
-def test_no_complete_trial_is_an_error():
+def test_no_complete_trial_is_an_error(scripted):
     cfg = parse_config(config())
     space = share_space(cfg, {"A100-80GB": 2.5, "V100-16GB": 1.0})
-    trials = trials_frame(_results(space)[1:2], space, max_windows=3)
+    grid = _grid(scripted, "partial")
+    trials = trials_frame(grid, space)
+    assert not trials["complete"].any()
     with pytest.raises(SweepError, match="no trial ran"):
-        best_trial(trials)
+        best_trial(grid, trials)
 
 
 @pytest.mark.parametrize(
@@ -191,25 +242,47 @@ def cluster():
         yield c
 
 
-def test_small_sweep_end_to_end(cluster, tmp_path):
-    """`hetero-ray tune`, two trials on the live emulated cluster: real measurements, distinct per share, and the
-    files written. Its own process, as a user runs it: Ray keeps one auth token per process."""
+def _tune(cluster, argv: list[str]) -> subprocess.Popen:
+    # Its own process, as a user runs it: Ray keeps one auth token per process.
+    return subprocess.Popen(
+        [sys.executable, "-m", "hetero_ray.cli", "tune", *argv],
+        env={**cluster.env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},  # a trial's line unwrapped
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_small_sweep_interrupted_and_resumed(cluster, tmp_path):
+    """`hetero-ray tune`, two trials on the live emulated cluster, stopped by SIGTERM once the first has finished
+    and resumed with --resume (Tuner.restore): the first trial is kept, not run again, the second runs, and the
+    files are written from real measurements, distinct per share."""
     base = config(global_batch=24)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(base))
     out = tmp_path / "out"
     argv = ["--config", str(tmp_path / "run.yaml"), "--trials", "2", "--steps", "6", "--windows", "2"]
     argv += ["--random-trials", "1", "--output-dir", str(out)]
-    done = subprocess.run(
-        [sys.executable, "-m", "hetero_ray.cli", "tune", *argv],
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "best:" in done.stdout and "(emulated)" in done.stdout, done.stdout
+    first = _tune(cluster, argv)
+    before = []
+    for line in first.stdout:
+        before.append(line)
+        if line.startswith("trial ") and "→" in line:  # the first trial has finished
+            first.send_signal(signal.SIGTERM)
+            break
+    stdout, stderr = first.communicate(timeout=300)
+    assert first.returncode == 128 + signal.SIGTERM, "".join(before) + stdout + stderr[-3000:]
+    assert "interrupted after 1 of 2 trials" in stderr and "--resume" in stderr, stderr[-3000:]
+    assert not (out / "trials.csv").exists()
+    finished = before[-1].split(":")[0]  # "trial <id>"
+
+    resumed = _tune(cluster, [*argv, "--resume"])
+    stdout, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert "resumed" in stdout and "best:" in stdout and "(emulated)" in stdout, stdout
+    assert f"{finished}:" not in stdout, stdout  # kept from the first run, not run again
     trials = pd.read_csv(out / "trials.csv")
-    assert len(trials) == 2 and trials["error"].isna().all(), trials.to_dict("records")
+    assert len(trials) == 2 and trials["error"].isna().all() and trials["complete"].all(), trials.to_dict("records")
+    assert f"{trials['samples_per_s'].iloc[0]:.1f} samples/s" in before[-1], (before[-1], trials.to_dict("records"))
     assert trials["emulated"].all() and (trials["samples_per_s"] > 0).all()
     # The first trial is the prediction: the planner's A100 : V100 speed ratio.
     cfg = parse_config(base)
@@ -218,8 +291,42 @@ def test_small_sweep_end_to_end(cluster, tmp_path):
     assert trials["weight:A100-80GB"].iloc[0] == pytest.approx(predicted["A100-80GB"])
     by_share = trials.groupby("share:A100-80GB")["samples_per_s"].mean()
     assert len(by_share) >= 2 and by_share.nunique() == len(by_share), trials.to_dict("records")
-    best = best_trial(trials)
     assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
     best_cfg = load_config(out / "best.yaml")
+    best = trials.loc[trials["samples_per_s"].idxmax()]
     assert best_cfg.train.split["A100-80GB"] == pytest.approx(best["weight:A100-80GB"], rel=1e-3)
     assert best_cfg.train.steps == 100
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({}, "no sweep was started in"),
+        ({"state": True, "argv": ["--trials", "3"]}, "was started with --trials 2"),
+        ({"state": True, "global_batch": 48}, "--config differs"),
+    ],
+)
+def test_resume_is_refused_before_any_cluster(tmp_path, capsys, change, match):
+    """--resume with nothing to resume, other settings or another config: one line, exit 2, no cluster reached."""
+    from tuning.sweep import STATE_FILE
+
+    out = tmp_path / "out"
+    if change.get("state"):
+        cfg = parse_config(config())
+        state = {"name": "tune-x", "config": cfg.model_dump(mode="json"), "speeds": {}, "dilation": None}
+        state["settings"] = {**{k: v for k, v in vars(SweepSettings(trials=2)).items() if k != "output_dir"}}
+        state["settings"]["micro_batch_caps"] = []
+        (out / STATE_FILE).parent.mkdir(parents=True)
+        (out / STATE_FILE).write_text(json.dumps(state))
+        (out / "tune" / "tune-x").mkdir()  # Tune's experiment folder, as an interrupted sweep leaves it
+        (out / "tune" / "tune-x" / "tuner.pkl").write_bytes(b"")
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        yaml.safe_dump(config(**({"global_batch": change["global_batch"]} if "global_batch" in change else {})))
+    )
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--config", str(path), "--output-dir", str(out), "--trials", "2", "--resume", "--address", "127.0.0.1:1"]
+    assert command(parser.parse_args([*argv, *change.get("argv", [])]), Console(quiet=True)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and match in err, err

@@ -28,7 +28,8 @@ class RichProgress(tune.Callback):
         return {"reference": self.reference, "total": self.total}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(Console(quiet=True), state["total"], state["reference"])
+        # Tuner.restore unpickles it in the process that resumes the sweep: that process's terminal.
+        self.__init__(Console(), state["total"], state["reference"])
 
     def setup(self, **info) -> None:
         self.bar.start()

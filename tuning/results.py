@@ -2,53 +2,90 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import yaml
 
 from hetero_ray.output import write_atomically
 from tuning.settings import SweepError
-from tuning.space import MICRO_BATCH_KEY, WEIGHT_PREFIX, ShareSpace, weights_of
-from tuning.trial import METRIC
+from tuning.space import MICRO_BATCH_KEY, WEIGHT_PREFIX, ShareSpace
+from tuning.trial import FINAL_METRIC, METRIC
+
+if TYPE_CHECKING:
+    from ray.tune import ResultGrid
 
 
-def trials_frame(results: list[Mapping[str, Any]], space: ShareSpace, max_windows: int) -> pd.DataFrame:
-    """One row per trial: its weights, the integer shares they gave, and the samples/s of its last window.
+def trials_frame(grid: ResultGrid, space: ShareSpace) -> pd.DataFrame:
+    """One row per trial, in the order Tune created them: its weights, the integer shares they gave, and the
+    samples/s of its last window; ``complete`` when it ran every window (ASHA stops the others early).
 
-    ``results`` are each trial's ``{"config": …, "metrics": …}``; a trial is ``complete``
-    when it reported ``max_windows`` windows (ASHA stops the others early).
+    Tune's own table (``grid.get_dataframe()``, each trial's last report), with the trials that failed before
+    their first report added from the grid, and Tune's ``config/`` prefix dropped.
     """
-    rows = []
-    for i, r in enumerate(results):
-        params, m = r["config"], r.get("metrics") or {}
-        weights = weights_of(params, space.reference)
-        rows.append(
-            {
-                "trial": i,
-                **{f"weight:{t}": weights[t] for t in space.predicted},
-                "max_micro_batch": params.get(MICRO_BATCH_KEY),
-                **{k: v for k, v in m.items() if k.startswith(("share:", "micro_batch:"))},
-                METRIC: m.get(METRIC, float("nan")),
-                "step_s": m.get("step_s", float("nan")),
-                "windows": m.get("window", 0),
-                "complete": m.get("window", 0) >= max_windows,
-                "overrun_steps": m.get("overrun_steps", 0),
-                "emulated": bool(m.get("emulated", False)),
-                "error": r.get("error"),
-            }
-        )
-    return pd.DataFrame(rows)
+    frame = grid.get_dataframe()
+    results = {r.metrics["trial_id"]: r for r in grid}
+    reported = set(frame["trial_id"]) if "trial_id" in frame else set()
+    silent = [
+        {**{f"config/{k}": v for k, v in _config(r).items()}, "trial_id": i}
+        for i, r in results.items()
+        if i not in reported
+    ]
+    frame = pd.concat([frame, pd.DataFrame(silent)], ignore_index=True).rename(
+        columns=lambda c: c.removeprefix("config/")
+    )
+    # Tune numbers its trials as it creates them, in the experiment tag it adds to their results
+    # ("<number>_<params>"; trial ids are random); a trial that never reported has no number and goes last.
+    tag = {i: r.metrics.get("experiment_tag") for i, r in results.items()}
+    frame["trial"] = frame["trial_id"].map(lambda i: int(tag[i].split("_", 1)[0]) if tag[i] else None)
+    frame["path"] = frame["trial_id"].map({i: r.path for i, r in results.items()})
+    frame[f"{WEIGHT_PREFIX}{space.reference}"] = 1.0
+    # A trial's error is a remote traceback; its last line names the exception.
+    frame["error"] = frame["trial_id"].map(
+        {i: str(r.error).strip().splitlines()[-1] for i, r in results.items() if r.error}
+    )
+    frame["complete"] = frame[FINAL_METRIC].notna() if FINAL_METRIC in frame else False
+    frame = frame.rename(columns={"window": "windows"})
+    columns = [
+        "trial",
+        "trial_id",
+        *(f"{WEIGHT_PREFIX}{t}" for t in space.predicted),
+        *([MICRO_BATCH_KEY] if space.micro_batch_caps else []),
+        *sorted(c for c in frame if c.startswith(("share:", "micro_batch:"))),
+        METRIC,
+        "step_s",
+        "windows",
+        "complete",
+        "overrun_steps",
+        "emulated",
+        "error",
+        "path",
+    ]
+    return frame.reindex(columns=columns).sort_values("trial", na_position="last", ignore_index=True)
 
 
-def best_trial(trials: pd.DataFrame) -> pd.Series:
-    """The trial of highest measured samples/s among those that ran every window (early-stopped ones are partial)."""
-    done = trials[trials["complete"] & trials[METRIC].notna()]
-    if done.empty:
+def _config(result) -> dict[str, Any]:
+    # A grid read back from disk has no config for a trial that never reported; Tune's params.json in the
+    # trial's folder has it.
+    if result.config is not None:
+        return result.config
+    return json.loads((Path(result.path) / "params.json").read_text())
+
+
+def best_trial(grid: ResultGrid, trials: pd.DataFrame) -> pd.Series:
+    """The row of ``trials`` (from ``trials_frame(grid, …)``) for Tune's best trial: the highest samples/s of a
+    last window among the trials that ran every window."""
+    try:
+        best = grid.get_best_result(metric=FINAL_METRIC, mode="max", scope="last")
+    except RuntimeError:  # no trial reported it
+        best = None
+    # With a single trial Tune returns it whatever it reported.
+    if best is None or FINAL_METRIC not in (best.metrics or {}):
         raise SweepError("no trial ran to its last window; run more trials or give ASHA a longer grace period")
-    return done.loc[done[METRIC].idxmax()]
+    return trials.loc[trials["trial_id"] == best.metrics["trial_id"]].iloc[0]
 
 
 def write_csv(trials: pd.DataFrame, path: Path) -> None:

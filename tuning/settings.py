@@ -59,6 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="the sampler's seed")
     p.add_argument("--output-dir", default=str(d.output_dir), help="where trials.csv, throughput.png, best.yaml go")
     p.add_argument("--force", action="store_true", help="replace the files of an earlier sweep in --output-dir")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the sweep interrupted in --output-dir (Tune's Tuner.restore: finished trials kept)",
+    )
     p.add_argument("--address", help="Ray address (default: RAY_ADDRESS or a local cluster)")
 
 

@@ -9,28 +9,43 @@ writes ``trials.csv``, ``throughput.png`` and ``best.yaml`` (a config
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
+import signal
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 from rich.console import Console
 
 from hetero_ray.config import ConfigError, RunConfig, load_config
-from hetero_ray.output import OutputError, check_output
+from hetero_ray.output import OutputError, check_output, write_json
 from hetero_ray.strict_yaml import load_yaml
 from tuning.results import best_trial, trials_frame, write_best_config, write_csv, write_plot
 from tuning.settings import SweepError, SweepSettings, add_arguments, settings_from
 from tuning.space import ShareSpace, model_speeds, plan_speeds, share_space
 from tuning.trial import METRIC, run_trial, trial_resources
 
+if TYPE_CHECKING:
+    from ray.tune import ResultGrid
+
 # What a sweep writes under --output-dir: the trial table, the throughput plot, the best config.
 RESULT_FILES = ("trials.csv", "throughput.png", "best.yaml")
+# What a sweep started in --output-dir: its Tune experiment's name and what the trials were built from, so
+# that --resume runs the same trials (the dilation is not calibrated again, the prediction not made again).
+STATE_FILE = Path("tune") / "sweep.json"
+
+
+class SweepInterrupted(Exception):
+    """The sweep stopped on SIGINT or SIGTERM before its last trial; Tune saved its state for ``--resume``."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,9 +62,10 @@ class Sweep:
     seconds: float
 
 
-def trial_base(cfg: RunConfig, settings: SweepSettings) -> RunConfig:
+def trial_base(cfg: RunConfig, settings: SweepSettings, name: str | None = None) -> RunConfig:
     """``cfg`` cut to a trial: ``settings.steps`` steps reported in ``settings.windows`` windows, one checkpoint
-    at the end, no restarts (a failed trial is a result), runs stored under the output directory."""
+    at the end, no restarts (a failed trial is a result), runs stored under the output directory, named ``name``
+    (default: ``tune-`` and the time; the sweep's Tune experiment takes the same name)."""
     train = cfg.train.model_copy(
         update={
             "steps": settings.steps,
@@ -61,7 +77,10 @@ def trial_base(cfg: RunConfig, settings: SweepSettings) -> RunConfig:
         }
     )
     run = cfg.run.model_copy(
-        update={"name": f"tune-{time.strftime('%Y%m%d-%H%M%S')}", "storage_path": str(settings.output_dir / "runs")}
+        update={
+            "name": name or f"tune-{time.strftime('%Y%m%d-%H%M%S')}",
+            "storage_path": str(settings.output_dir / "runs"),
+        }
     )
     return cfg.model_copy(update={"train": train, "run": run})
 
@@ -92,13 +111,14 @@ def run_trials(
     search: bool,
     console: Console,
     name: str,
-) -> list[dict[str, Any]]:
+    resume: bool = False,
+) -> ResultGrid:
     """Run trials of ``base`` one at a time; ``search``: Optuna TPE from the prediction with ASHA, else every
-    point of ``param_space`` (a grid) to the end. Returns each trial's ``{"config", "metrics", "error"}``."""
+    point of ``param_space`` (a grid) to the end. ``resume``: continue the experiment ``name`` where it stopped
+    (``Tuner.restore``: finished trials kept, the running one started again, the searcher's state restored).
+    Raises ``SweepInterrupted`` when the sweep stopped on a signal before its last trial."""
     import optuna
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
-    from ray.tune.search.optuna import OptunaSearch
 
     from tuning.progress import RichProgress
 
@@ -107,67 +127,118 @@ def run_trials(
         trial_resources(base.emulation is not None),
     )
     if search:
-        tune_config = tune.TuneConfig(
-            metric=METRIC,
-            mode="max",
-            num_samples=settings.trials,
-            max_concurrent_trials=1,
-            search_alg=OptunaSearch(
-                points_to_evaluate=[space.first_point()],
-                # The enqueued prediction counts as one of TPE's start-up trials.
-                sampler=optuna.samplers.TPESampler(n_startup_trials=1 + settings.random_trials, seed=settings.seed),
-            ),
-            scheduler=ASHAScheduler(
-                time_attr="training_iteration",
-                max_t=settings.windows,
-                grace_period=settings.grace_windows,
-                reduction_factor=2,
-            ),
-        )
         total = settings.trials
     else:
-        tune_config = tune.TuneConfig(max_concurrent_trials=1)
         total = 1
         for v in param_space.values():
             total *= len(v["grid_search"]) if isinstance(v, dict) else 1
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    tuner = tune.Tuner(
-        trainable,
-        param_space=dict(param_space),
-        tune_config=tune_config,
-        run_config=tune.RunConfig(
-            name=name,
-            storage_path=str((settings.output_dir / "tune").resolve()),
-            verbose=0,
-            callbacks=[RichProgress(console, total, space.reference)],
+    path = experiment_path(settings, name)
+    if resume:
+        tuner = tune.Tuner.restore(str(path), trainable, resume_unfinished=True, param_space=dict(param_space))
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space=dict(param_space),
+            tune_config=_tune_config(space, settings) if search else tune.TuneConfig(max_concurrent_trials=1),
+            run_config=tune.RunConfig(
+                name=name,
+                storage_path=str(path.parent),
+                verbose=0,
+                callbacks=[RichProgress(console, total, space.reference)],
+            ),
+        )
+    # Tune ends the sweep cleanly on SIGINT (its state saved for a restore); SIGTERM, as `kill` and schedulers
+    # send it, is taken the same way.
+    received = [signal.SIGINT]
+
+    def forward(signum, frame):
+        received[0] = signum
+        os.kill(os.getpid(), signal.SIGINT)
+
+    held = signal.signal(signal.SIGTERM, forward)
+    try:
+        grid = tuner.fit()
+    finally:
+        signal.signal(signal.SIGTERM, held)
+    done = grid.num_terminated + grid.num_errors
+    if done < total:
+        raise SweepInterrupted(
+            f"sweep interrupted after {done} of {total} trials; continue it: the same command with --resume",
+            received[0],
+        )
+    return grid
+
+
+def _tune_config(space: ShareSpace, settings: SweepSettings):
+    """Optuna TPE, the prediction its first point, with ASHA stopping the trials behind after their grace windows."""
+    import optuna
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search.optuna import OptunaSearch
+
+    return tune.TuneConfig(
+        metric=METRIC,
+        mode="max",
+        num_samples=settings.trials,
+        max_concurrent_trials=1,
+        search_alg=OptunaSearch(
+            points_to_evaluate=[space.first_point()],
+            # The enqueued prediction counts as one of TPE's start-up trials.
+            sampler=optuna.samplers.TPESampler(n_startup_trials=1 + settings.random_trials, seed=settings.seed),
+        ),
+        scheduler=ASHAScheduler(
+            time_attr="training_iteration",
+            max_t=settings.windows,
+            grace_period=settings.grace_windows,
+            reduction_factor=2,
         ),
     )
-    grid = tuner.fit()
-    results = [{"config": r.config, "metrics": r.metrics, "error": repr(r.error) if r.error else None} for r in grid]
-    order = [_trial_index(r.path, (r.metrics or {}).get("trial_id", "")) for r in grid]
-    return [r for _, r in sorted(zip(order, results), key=lambda x: x[0])]
 
 
-def _trial_index(path: str, trial_id: str) -> int:
-    """The order Tune started a trial in: its directory is ``<trainable>_<trial id>_<index>_<params>_<date>``."""
-    found = re.search(rf"_{re.escape(trial_id)}_(\d+)_", Path(path).name) if trial_id else None
-    return int(found.group(1)) if found else sys.maxsize
+def experiment_path(settings: SweepSettings, name: str) -> Path:
+    """Where Tune keeps the experiment ``name`` of a sweep (its state, for ``Tuner.restore``)."""
+    return (settings.output_dir / "tune" / name).resolve()
 
 
-def run_sweep(cfg: RunConfig, base_yaml: Mapping[str, Any], settings: SweepSettings, console: Console) -> Sweep:
-    """Sweep the shares of ``cfg`` on the cluster this process is connected to; write the CSV, PNG and best config."""
+@dataclass(frozen=True)
+class Resumable:
+    """An interrupted sweep, as its state file recorded it: what its trials are built from."""
+
+    name: str
+    speeds: dict[str, float]
+    dilation: float | None
+
+
+def run_sweep(
+    cfg: RunConfig,
+    base_yaml: Mapping[str, Any],
+    settings: SweepSettings,
+    console: Console,
+    *,
+    resume: Resumable | None = None,
+) -> Sweep:
+    """Sweep the shares of ``cfg`` on the cluster this process is connected to; write the CSV, PNG and best config.
+    ``resume``: continue that interrupted sweep (``resumable``) instead of starting one."""
     started = time.monotonic()
-    speeds, dilation = predicted_speeds(cfg, settings)
+    if resume:
+        name, speeds, dilation = resume.name, resume.speeds, resume.dilation
+    else:
+        speeds, dilation = predicted_speeds(cfg, settings)
+        name = trial_base(cfg, settings).run.name
     space = share_space(cfg, speeds, spread=settings.spread, micro_batch_caps=settings.micro_batch_caps)
     emulated = cfg.emulation is not None
     console.print(
-        f"[bold]share sweep[/bold]{' (emulated devices)' if emulated else ''}: predicted weights "
+        f"[bold]share sweep[/bold]{' (emulated devices)' if emulated else ''}"
+        f"{', resumed' if resume else ''}: predicted weights "
         + ", ".join(f"{t} {w:.3g}" for t, w in space.predicted.items())
         + f"; searching ×/÷{settings.spread:g} around them, {settings.trials} trials of {settings.steps} steps"
         + (f", dilation {dilation:.3g}" if dilation else "")
     )
-    base = trial_base(cfg, settings)
-    results = run_trials(
+    base = trial_base(cfg, settings, name=name)
+    if not resume:
+        write_json(settings.output_dir / STATE_FILE, _state(cfg, settings, name, speeds, dilation), force=True)
+    grid = run_trials(
         base,
         space,
         settings,
@@ -175,13 +246,14 @@ def run_sweep(cfg: RunConfig, base_yaml: Mapping[str, Any], settings: SweepSetti
         param_space=space.tune_space(),
         search=True,
         console=console,
-        name=base.run.name,
+        name=name,
+        resume=resume is not None,
     )
-    trials = trials_frame(results, space, settings.windows)
-    csv, plot, best_path = (settings.output_dir / name for name in RESULT_FILES)
+    trials = trials_frame(grid, space)
+    csv, plot, best_path = (settings.output_dir / f for f in RESULT_FILES)
     write_csv(trials, csv)
     write_plot(trials, space, plot, emulated=emulated)
-    best = best_trial(trials)
+    best = best_trial(grid, trials)
     write_best_config(base_yaml, best, space, best_path)
     return Sweep(
         trials=trials,
@@ -193,6 +265,45 @@ def run_sweep(cfg: RunConfig, base_yaml: Mapping[str, Any], settings: SweepSetti
         best_config=best_path,
         seconds=time.monotonic() - started,
     )
+
+
+def _state(cfg: RunConfig, settings: SweepSettings, name: str, speeds, dilation) -> dict[str, Any]:
+    search = {k: v for k, v in asdict(settings).items() if k != "output_dir"}
+    return {
+        "name": name,
+        "config": cfg.model_dump(mode="json"),
+        "settings": json.loads(json.dumps(search)),  # tuples as lists, as they read back
+        "speeds": speeds,
+        "dilation": dilation,
+    }
+
+
+def resumable(cfg: RunConfig, settings: SweepSettings) -> Resumable:
+    """The interrupted sweep in ``settings.output_dir``, checked before any cluster is reached: ``SweepError``
+    (one line) if none was started there, it left no Tune state, or it was started from another config or
+    other settings."""
+    from ray import tune
+
+    path = settings.output_dir / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SweepError(
+            f"--resume: no sweep was started in {settings.output_dir} ({path} is missing); start one without --resume"
+        ) from None
+    if not tune.Tuner.can_restore(str(experiment_path(settings, state["name"]))):
+        raise SweepError(f"--resume: the sweep in {settings.output_dir} left no Tune state to restore")
+    if state["config"] != cfg.model_dump(mode="json"):
+        raise SweepError(
+            f"--resume: --config differs from the config the sweep in {settings.output_dir} started with; "
+            "resume with that config, or start a new sweep without --resume"
+        )
+    now = _state(cfg, settings, state["name"], state["speeds"], state["dilation"])["settings"]
+    changed = sorted(k for k in now if now[k] != state["settings"].get(k))
+    if changed:
+        was = ", ".join(f"--{k.replace('_', '-')} {state['settings'].get(k)}" for k in changed)
+        raise SweepError(f"--resume: the sweep in {settings.output_dir} was started with {was}; resume with the same")
+    return Resumable(state["name"], state["speeds"], state["dilation"])
 
 
 def command(args: argparse.Namespace, console: Console) -> int:
@@ -209,16 +320,20 @@ def command(args: argparse.Namespace, console: Console) -> int:
         base_yaml = load_yaml(Path(args.config).read_text(), args.config)  # load_config read it already
         # Checked before any cluster is reached.
         share_space(cfg, dict.fromkeys(cfg.devices, 1.0), spread=settings.spread)
+        resume = resumable(cfg, settings) if args.resume else None
         import ray
 
         ray.init(address=args.address or os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
         try:
-            sweep = run_sweep(cfg, base_yaml, settings, console)
+            sweep = run_sweep(cfg, base_yaml, settings, console, resume=resume)
         finally:
             ray.shutdown()
     except (SweepError, ConfigError, PlanError, HistoryError, NoHistory, OutputError) as exc:
         print(f"hetero-ray: error: {exc}", file=sys.stderr)
         return 2
+    except SweepInterrupted as exc:
+        print(f"hetero-ray: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     best = ", ".join(f"{t} {sweep.best[f'share:{t}']:.0f}" for t in sweep.space.predicted if f"share:{t}" in sweep.best)
     console.print(
         f"best: {sweep.best[METRIC]:.1f} samples/s{' (emulated)' if sweep.best['emulated'] else ''} with shares "

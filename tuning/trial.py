@@ -19,6 +19,9 @@ from hetero_ray.config import RunConfig
 from tuning.space import MICRO_BATCH_KEY, weights_of
 
 METRIC = "samples_per_s"
+# Reported by a trial's last window only: the best trial is Tune's best on it (``get_best_result``), so a trial
+# that ASHA stopped early, whose windows are partial, is never chosen.
+FINAL_METRIC = "final_samples_per_s"
 # The emulated cluster labels its head so; a trial's driver must not take a GPU node's CPU.
 HEAD_LABEL = {"hetero-ray/role": "head"}
 
@@ -48,8 +51,8 @@ def trial_resources(emulated: bool):
     return PlacementGroupFactory([{"CPU": 1}])
 
 
-def window_result(metrics: Mapping[str, Any], window: int) -> dict[str, Any]:
-    """What a trial reports to Tune for one metrics window of the run (rank 0's report)."""
+def window_result(metrics: Mapping[str, Any], window: int, *, final: bool) -> dict[str, Any]:
+    """What a trial reports to Tune for one metrics window of the run (rank 0's report); ``final``: its last."""
     shares: dict[str, int] = {}
     for d in metrics["devices"]:
         shares.setdefault(d["gpu_type"], d["local_batch"])
@@ -62,6 +65,7 @@ def window_result(metrics: Mapping[str, Any], window: int) -> dict[str, Any]:
         "overrun_steps": sum(d["overrun_steps"] for d in metrics["devices"]),
         **{f"share:{t}": b for t, b in shares.items()},
         **{f"micro_batch:{d['gpu_type']}": d["micro_batch"] for d in metrics["devices"]},
+        **({FINAL_METRIC: metrics["samples_per_s"]} if final else {}),
     }
 
 
@@ -96,7 +100,7 @@ def run_trial(params: dict[str, Any], *, base: dict[str, Any], reference: str, d
         except Empty:
             continue
         window += 1
-        tune.report(window_result(metrics, window))
+        tune.report(window_result(metrics, window, final=metrics["step"] + 1 >= cfg.train.steps))
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
