@@ -584,6 +584,13 @@ CASES = [
          rf"{PLN}: roles\.1\.layers: missing; every stage of a 2-stage pipeline needs a layer range"),
     Case("plan-layers-short-of-workload", PLAN, "layers end at 4, workload has 6 (`n_layers=6`)",
          plan_file(pipeline_plan_dict, n_layers=lambda: 6), rf"{PLN}: roles\.1\.layers: pipeline 0 ends at layer 4; the workload has 6"),
+    # hetero-ray tune.
+    Case("tune-resume-nothing-started", "hetero-ray tune", "`--resume` in an output dir where no sweep started",
+         cli(lambda d: ["tune", *train(lambda d: config(d))(d)[1:3], "--output-dir", str(d / "out"), "--resume"]),
+         r"--resume: no sweep was started in {dir}/out \({dir}/out/tune/sweep\.json is missing\); start one without --resume"),
+    Case("tune-zero-trials", "hetero-ray tune", "`--trials 0`",
+         cli(lambda d: ["tune", *train(lambda d: config(d))(d)[1:3], "--trials", "0"]),
+         r"--trials: 0; use at least 1"),
     # cluster.yaml.
     Case("cluster-unknown-key", CLUSTER, "`link_gbs: 600` on a node type", cluster_yaml(set_node_type("link_gbs", 600)),
          r"available_node_types\.a100-80gb-x8: Additional properties are not allowed \('link_gbs' was unexpected\)"),
