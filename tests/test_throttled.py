@@ -89,6 +89,58 @@ def test_each_device_has_its_own_slice(cluster):
         cluster.set_cpu_share("V100-16GB", 1, 0.2)
 
 
+COMM_THREADS = textwrap.dedent(
+    """
+    import json, os
+    from pathlib import Path
+    import ray, torch, torch.distributed as dist
+    from hetero_ray.cluster.cpu_slices import free_comm_threads, join_device_slice
+    from hetero_ray.cluster.emulation import EMULATED_RESOURCE
+
+    def groups():
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            group = next(line for line in Path(f"/proc/self/task/{tid}/cgroup").read_text().splitlines()
+                         if ":cpu," in line or ":cpu:" in line)
+            out.setdefault(group.rsplit("/", 1)[-1], []).append(name)
+        return out
+
+    @ray.remote(num_cpus=1, resources={EMULATED_RESOURCE: 1})
+    def threads():
+        claim = join_device_slice()
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29_000 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)  # after joining: its threads start in the slice
+        dist.all_reduce(torch.ones(8))
+        before = groups()
+        moved = free_comm_threads(claim)
+        dist.all_reduce(torch.ones(8))  # the group still works from outside the slice
+        return {"slice": claim[0].name, "base": claim[0].parent.name, "moved": moved, "before": before,
+                "after": groups()}
+
+    ray.init(address="auto")
+    print(json.dumps(ray.get(threads.remote())))
+    """
+)
+
+
+def test_communication_threads_leave_the_slice(cluster):
+    """gloo's threads stand for the device's host, not its compute: once the process groups are made they move
+    from the slice to the cluster's unthrottled group, and the rest of the process stays in the slice."""
+    if not all((p / "cpu.cfs_quota_us").exists() for p in cluster.cgroups):
+        pytest.skip("cgroup v2 keeps a process's threads in one group: communication stays in the slice there")
+    done = subprocess.run(
+        [sys.executable, "-c", COMM_THREADS], env=cluster.env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    gloo = [n for n in got["before"][got["slice"]] if n.startswith(("gloo", "pt_gloo"))]
+    assert gloo and got["moved"] >= len(gloo), got
+    assert not [n for n in got["after"].get(got["slice"], []) if n.startswith(("gloo", "pt_gloo", "pt_tcpstore"))]
+    assert sorted(n for n in got["after"][got["base"]] if n.startswith(("gloo", "pt_gloo"))) == sorted(gloo), got
+    assert got["after"][got["slice"]], got  # the compute (the main thread among them) stays throttled
+
+
 # The reference: each device runs plain training steps for two seconds on its slice, both at once, as the
 # profile does, timed over the whole window, with the CPU time its process used in it. The CPU time is what a
 # quota sets, and it matches the shares to 2 %. The speed does not: a slice computes less per CPU second the

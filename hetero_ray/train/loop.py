@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from hetero_ray.cluster.catalog import load_catalog
+from hetero_ray.cluster.cpu_slices import free_comm_threads
 from hetero_ray.cluster.emulated_device import EmulatedDevice
 from hetero_ray.config import RunConfig
 from hetero_ray.monitor.health import HealthPolicy
@@ -124,6 +125,8 @@ def train_worker(payload: dict[str, Any]) -> None:
     else:
         model = workload.model.to(device)
     sync = make_sync(model, cfg, device, role.precision if role else None, buckets)
+    # Every process group is made by now: gloo's threads leave the device's slice (they are its host's).
+    free_comm_threads(device_slice)
     start_step, history = _restore(model, sync, cfg.run.run_dir)
     gpu_ids = ray.get_gpu_ids() if device.type == "cuda" else []
     monitor = WorkerMonitor(
