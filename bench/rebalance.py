@@ -122,6 +122,7 @@ def main() -> None:
                 "devices": DEVICES,
                 **({"cpu_share": CPU_SHARE} if throttled else {}),
                 "workload": cfg.workload.model_dump(),
+                "global_batch": cfg.train.global_batch,
                 "slowed": {"gpu_type": "V100-16GB", "index": 0, "speed": 0.5, "at_step": args.slow_at},
                 "rebalance_every": args.every,
                 "rebalance_recovered_over_ideal": settled[-1]["over_ideal"],
