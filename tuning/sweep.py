@@ -87,18 +87,20 @@ def trial_base(cfg: RunConfig, settings: SweepSettings, name: str | None = None)
 
 def predicted_speeds(cfg: RunConfig, settings: SweepSettings) -> tuple[dict[str, float], float | None]:
     """Samples/s per GPU type the sweep starts from (the planner's, or the performance model's with a history),
-    and the emulation's dilation, calibrated once so that every trial runs under the same one."""
+    and a padded emulation's dilation, calibrated once so that every trial runs under the same one (``None``
+    for throttled devices and real GPUs, which run in real time)."""
     from hetero_ray.train.prepare import prepare
 
     # An explicit equal split keeps the plan data-parallel; its per-type speeds do not depend on the split.
     prepared = prepare(cfg.model_copy(update={"train": cfg.train.model_copy(update={"split": "equal"})}))
+    dilation = prepared.dilation if cfg.emulation is not None and not cfg.emulation.throttled else None
     if settings.history is None:
-        return plan_speeds(prepared.plan), prepared.dilation
+        return plan_speeds(prepared.plan), dilation
     from hetero_ray.perf import history
     from hetero_ray.perf.model import fit_perf_model
 
     model = fit_perf_model(history.load(settings.history), cfg.workload.name, emulated=cfg.emulation is not None)
-    return model_speeds(model, prepared.plan), prepared.dilation
+    return model_speeds(model, prepared.plan), dilation
 
 
 def run_trials(
