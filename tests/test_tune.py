@@ -28,7 +28,7 @@ from tuning.results import best_trial, trials_frame, write_best_config, write_cs
 from tuning.settings import SweepError, SweepSettings, add_arguments, settings_from
 from tuning.space import plan_speeds, share_space, weights_of
 from tuning.sweep import command, predicted_speeds
-from tuning.trial import trial_config
+from tuning.trial import trial_config, window_result
 
 WORKLOAD = {
     "name": "gpt",
@@ -92,6 +92,90 @@ def test_micro_batch_caps_are_searched_and_reach_the_trial():
     assert trial.train.split == {"V100-16GB": 1.0, "A100-80GB": 3.0}
     assert trial.train.max_micro_batch == 4 and trial.emulation.dilation == 1234.0
     assert trial.run.name != cfg.run.name
+
+
+def test_a_window_reports_each_types_measured_speed():
+    devices = [
+        {
+            "gpu_type": "A100-80GB",
+            "local_batch": 18,
+            "micro_batch": 18,
+            "overrun_steps": 0,
+            "utilisation": 0.9,
+            "step_s": 2.0,
+        },
+        {
+            "gpu_type": "V100-16GB",
+            "local_batch": 3,
+            "micro_batch": 3,
+            "overrun_steps": 0,
+            "utilisation": 0.5,
+            "step_s": 2.0,
+        },
+        {
+            "gpu_type": "V100-16GB",
+            "local_batch": 3,
+            "micro_batch": 3,
+            "overrun_steps": 0,
+            "utilisation": 1.0,
+            "step_s": 2.0,
+        },
+    ]
+    metrics = {"samples_per_s": 12.0, "step_s": 2.0, "step": 5, "emulated": True, "devices": devices}
+    result = window_result(metrics, 2, final=True)
+    assert result["speed:A100-80GB"] == pytest.approx(10.0)  # 18 samples in 1.8 s of its own compute
+    assert result["speed:V100-16GB"] == pytest.approx((3.0 + 1.5) / 2)
+    space = share_space(parse_config(config()), {"A100-80GB": 2.5, "V100-16GB": 1.0}, spread=3.0)
+    speeds = {t.removeprefix("speed:"): v for t, v in result.items() if t.startswith("speed:")}
+    assert space.measured_point(speeds, like={"weight:A100-80GB": 2.5}) == {
+        "weight:A100-80GB": pytest.approx(10 / 2.25)
+    }
+    assert space.measured_point({"A100-80GB": 40.0, "V100-16GB": 2.0}, like={}) == {"weight:A100-80GB": 7.5}  # edge
+    assert space.measured_point({"A100-80GB": 4.0, "V100-16GB": 2.0}, like={}) == {"weight:A100-80GB": 2.0}
+    assert space.measured_point({"A100-80GB": 4.0}, like={}) is None
+
+
+def _completed(weight: float, rate: float, speeds: dict[str, float]) -> dict:
+    return {
+        "samples_per_s": rate,
+        "config": {"weight:A100-80GB": weight},
+        **{f"speed:{t}": v for t, v in speeds.items()},
+    }
+
+
+@pytest.mark.parametrize(
+    ("speeds", "second"),
+    [
+        ({"A100-80GB": 45.0, "V100-16GB": 10.0}, 4.5),  # the devices run 4.5 : 1, the prediction said 2.5
+        ({"A100-80GB": 25.5, "V100-16GB": 10.0}, None),  # they run as predicted: no repeat, TPE goes on
+    ],
+)
+def test_the_search_tries_the_split_the_first_trial_measured(tmp_path, speeds, second):
+    """Through Tune's searcher interface: the prediction, then the split by the first trial's measured speeds
+    (unless that is the prediction again), then TPE inside the space; Optuna is told every result, and the
+    state survives Tune's save and restore (what --resume loads)."""
+    from tuning.search import MeasuredBalanceSearch
+
+    space = share_space(parse_config(config()), {"A100-80GB": 2.5, "V100-16GB": 1.0}, spread=3.0)
+    search = MeasuredBalanceSearch(space, seed=0)
+    search.set_search_properties("samples_per_s", "max", space.tune_space())
+    assert search.suggest("t0") == space.first_point()
+    search.on_trial_complete("t0", _completed(2.5, 400.0, speeds))
+    search.save(str(tmp_path / "searcher.pkl"))
+    restored = MeasuredBalanceSearch(space)
+    restored.restore(str(tmp_path / "searcher.pkl"))
+    point = restored.suggest("t1")
+    lo, hi = space.bounds["A100-80GB"]
+    if second is None:
+        assert point != space.first_point() and lo <= point["weight:A100-80GB"] <= hi
+        return
+    assert point == {"weight:A100-80GB": pytest.approx(second)}
+    restored.on_trial_result("t1", {"samples_per_s": 500.0})
+    restored.on_trial_complete("t1", _completed(second, 520.0, speeds))
+    third = restored.suggest("t2")
+    assert lo <= third["weight:A100-80GB"] <= hi and third["weight:A100-80GB"] not in (2.5, second)
+    # Optuna knows both results: the prediction's and the measured point's.
+    assert sorted(t.value for t in restored._ot_study.trials if t.value is not None) == [400.0, 520.0]
 
 
 # Real Tune experiments, run by a stand-in trainable in their own process (a local Ray), read back from disk as

@@ -46,6 +46,17 @@ class ShareSpace:
             point[MICRO_BATCH_KEY] = max(self.micro_batch_caps)
         return point
 
+    def measured_point(self, speeds: Mapping[str, float], like: Mapping[str, object]) -> dict | None:
+        """The Tune config that splits by ``speeds`` (samples/s per type of each device's own compute, as a trial
+        measured them), each weight held inside its bounds, other keys as in ``like``; ``None`` without a
+        positive speed for every type."""
+        if not all(speeds.get(t, 0) > 0 for t in (self.reference, *self.bounds)):
+            return None
+        point = dict(like)
+        for t, (lo, hi) in self.bounds.items():
+            point[f"{WEIGHT_PREFIX}{t}"] = min(hi, max(lo, speeds[t] / speeds[self.reference]))
+        return point
+
     def grid(self, gpu_type: str, points: int) -> list[float]:
         """``points`` weights of ``gpu_type`` spaced evenly in log over its bounds (a bench's fine grid)."""
         if points < 2:

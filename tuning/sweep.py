@@ -173,20 +173,22 @@ def run_trials(
 
 
 def _tune_config(space: ShareSpace, settings: SweepSettings):
-    """Optuna TPE, the prediction its first point, with ASHA stopping the trials behind after their grace windows."""
+    """The prediction, then the split its trial's measured speeds give, then Optuna TPE (``tuning/search.py``),
+    with ASHA stopping the trials behind after their grace windows."""
     import optuna
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
-    from ray.tune.search.optuna import OptunaSearch
+
+    from tuning.search import MeasuredBalanceSearch
 
     return tune.TuneConfig(
         metric=METRIC,
         mode="max",
         num_samples=settings.trials,
         max_concurrent_trials=1,
-        search_alg=OptunaSearch(
-            points_to_evaluate=[space.first_point()],
-            # The enqueued prediction counts as one of TPE's start-up trials.
+        search_alg=MeasuredBalanceSearch(
+            space,
+            # The enqueued prediction counts as one of TPE's start-up trials, the measured point as another.
             sampler=optuna.samplers.TPESampler(n_startup_trials=1 + settings.random_trials, seed=settings.seed),
         ),
         scheduler=ASHAScheduler(

@@ -22,6 +22,7 @@ METRIC = "samples_per_s"
 # Reported by a trial's last window only: the best trial is Tune's best on it (``get_best_result``), so a trial
 # that ASHA stopped early, whose windows are partial, is never chosen.
 FINAL_METRIC = "final_samples_per_s"
+SPEED_PREFIX = "speed:"
 # The emulated cluster labels its head so; a trial's driver must not take a GPU node's CPU.
 HEAD_LABEL = {"hetero-ray/role": "head"}
 
@@ -54,8 +55,12 @@ def trial_resources(emulated: bool):
 def window_result(metrics: Mapping[str, Any], window: int, *, final: bool) -> dict[str, Any]:
     """What a trial reports to Tune for one metrics window of the run (rank 0's report); ``final``: its last."""
     shares: dict[str, int] = {}
+    speeds: dict[str, list[float]] = {}
     for d in metrics["devices"]:
         shares.setdefault(d["gpu_type"], d["local_batch"])
+        busy = d["utilisation"] * d["step_s"]
+        if d["local_batch"] > 0 and busy > 0:
+            speeds.setdefault(d["gpu_type"], []).append(d["local_batch"] / busy)
     return {
         METRIC: metrics["samples_per_s"],
         "step_s": metrics["step_s"],
@@ -64,6 +69,8 @@ def window_result(metrics: Mapping[str, Any], window: int, *, final: bool) -> di
         "emulated": metrics["emulated"],
         "overrun_steps": sum(d["overrun_steps"] for d in metrics["devices"]),
         **{f"share:{t}": b for t, b in shares.items()},
+        # Each type's samples/s of its own compute (its devices' mean): what a split by speed would use.
+        **{f"{SPEED_PREFIX}{t}": sum(v) / len(v) for t, v in speeds.items()},
         **{f"micro_batch:{d['gpu_type']}": d["micro_batch"] for d in metrics["devices"]},
         **({FINAL_METRIC: metrics["samples_per_s"]} if final else {}),
     }
