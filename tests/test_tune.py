@@ -201,7 +201,7 @@ SCRIPTED = textwrap.dedent(
             raise RuntimeError("no worker could start")
         windows, rate, a100 = TRIALS[config["weight:A100-80GB"]]
         devices = [
-            {"gpu_type": t, "local_batch": b, "micro_batch": b, "overrun_steps": 0}
+            {"gpu_type": t, "local_batch": b, "micro_batch": b, "overrun_steps": 0, "utilisation": 0.9, "step_s": 24 / rate}
             for t, b in (("A100-80GB", a100), ("V100-16GB", 24 - a100))
         ]
         for w in range(1, windows + 1):
