@@ -33,6 +33,7 @@ from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.cluster.emulated_device import EmulatedDevice
 from hetero_ray.cluster.emulation import EmulatedCluster
 from hetero_ray.config import RunConfig, parse_config
+from hetero_ray.monitor.metrics import compute_rate
 from hetero_ray.plan.plan import Plan
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.workloads import build_workload
@@ -218,9 +219,7 @@ def throttled(steps: int) -> dict:
         "equal_samples_per_s": equal["samples_per_s"],
         "comm_s_balanced": max(d["comm_s"] for d in balanced["devices"]),
         # Each device's samples per second of its own compute in the balanced run (beside the others).
-        "compute_samples_per_s_balanced": [
-            d["local_batch"] / (d["utilisation"] * d["step_s"]) for d in balanced["devices"]
-        ],
+        "compute_samples_per_s_balanced": [compute_rate(d) for d in balanced["devices"]],
         "balanced_over_ideal": balanced["samples_per_s"] / ideal,
         "balanced_over_equal": balanced["samples_per_s"] / equal["samples_per_s"],
         "profiled_over_catalog": balanced["samples_per_s"] / by_catalog["samples_per_s"],

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hetero_ray.config import RunConfig
+from hetero_ray.monitor.metrics import compute_rate
 from tuning.space import MICRO_BATCH_KEY, weights_of
 
 METRIC = "samples_per_s"
@@ -58,9 +59,8 @@ def window_result(metrics: Mapping[str, Any], window: int, *, final: bool) -> di
     speeds: dict[str, list[float]] = {}
     for d in metrics["devices"]:
         shares.setdefault(d["gpu_type"], d["local_batch"])
-        busy = d["utilisation"] * d["step_s"]
-        if d["local_batch"] > 0 and busy > 0:
-            speeds.setdefault(d["gpu_type"], []).append(d["local_batch"] / busy)
+        if (rate := compute_rate(d)) is not None:
+            speeds.setdefault(d["gpu_type"], []).append(rate)
     return {
         METRIC: metrics["samples_per_s"],
         "step_s": metrics["step_s"],

@@ -117,16 +117,19 @@ def window_steps(report: Mapping[str, Any]) -> int:
     return report["step"] - previous
 
 
+def compute_rate(device: Mapping[str, Any]) -> float | None:
+    """A device's samples/s of its own compute in a report window (local batch ÷ its compute time): its
+    standalone speed. ``None`` for a device without samples or compute time."""
+    busy = device["utilisation"] * device["step_s"]
+    return device["local_batch"] / busy if device["local_batch"] > 0 and busy > 0 else None
+
+
 def balance_efficiency(report: Mapping[str, Any]) -> float | None:
-    """Achieved samples/s ÷ ideal, the sum of each device's standalone samples/s (local batch ÷ compute time).
+    """Achieved samples/s ÷ ideal, the sum of each device's standalone samples/s (``compute_rate``).
 
     Devices without samples are left out; ``None`` when no device has compute time.
     """
-    ideal = sum(
-        d["local_batch"] / (d["utilisation"] * d["step_s"])
-        for d in report["devices"]
-        if d["local_batch"] > 0 and d["utilisation"] * d["step_s"] > 0
-    )
+    ideal = sum(r for r in map(compute_rate, report["devices"]) if r is not None)
     return report["samples_per_s"] / ideal if ideal > 0 else None
 
 
