@@ -225,11 +225,8 @@ def run_sweep(
     """Sweep the shares of ``cfg`` on the cluster this process is connected to; write the CSV, PNG and best config.
     ``resume``: continue that interrupted sweep (``resumable``) instead of starting one."""
     started = time.monotonic()
-    if resume:
-        name, speeds, dilation = resume.name, resume.speeds, resume.dilation
-    else:
-        speeds, dilation = predicted_speeds(cfg, settings)
-        name = trial_base(cfg, settings).run.name
+    base = trial_base(cfg, settings, name=resume.name if resume else None)
+    speeds, dilation = (resume.speeds, resume.dilation) if resume else predicted_speeds(cfg, settings)
     space = share_space(cfg, speeds, spread=settings.spread, micro_batch_caps=settings.micro_batch_caps)
     emulated = cfg.emulation is not None
     console.print(
@@ -239,9 +236,8 @@ def run_sweep(
         + f"; searching ×/÷{settings.spread:g} around them, {settings.trials} trials of {settings.steps} steps"
         + (f", dilation {dilation:.3g}" if dilation else "")
     )
-    base = trial_base(cfg, settings, name=name)
     if not resume:
-        write_json(settings.output_dir / STATE_FILE, _state(cfg, settings, name, speeds, dilation), force=True)
+        write_json(settings.output_dir / STATE_FILE, _state(cfg, settings, base.run.name, speeds, dilation), force=True)
     grid = run_trials(
         base,
         space,
@@ -250,7 +246,7 @@ def run_sweep(
         param_space=space.tune_space(),
         search=True,
         console=console,
-        name=name,
+        name=base.run.name,
         resume=resume is not None,
     )
     trials = trials_frame(grid, space)
@@ -271,12 +267,16 @@ def run_sweep(
     )
 
 
+def _search_settings(settings: SweepSettings) -> dict[str, Any]:
+    """The settings that shape a sweep's trials, as its state file holds them (tuples as lists, as they read back)."""
+    return json.loads(json.dumps({k: v for k, v in asdict(settings).items() if k != "output_dir"}))
+
+
 def _state(cfg: RunConfig, settings: SweepSettings, name: str, speeds, dilation) -> dict[str, Any]:
-    search = {k: v for k, v in asdict(settings).items() if k != "output_dir"}
     return {
         "name": name,
         "config": cfg.model_dump(mode="json"),
-        "settings": json.loads(json.dumps(search)),  # tuples as lists, as they read back
+        "settings": _search_settings(settings),
         "speeds": speeds,
         "dilation": dilation,
     }
@@ -302,7 +302,7 @@ def resumable(cfg: RunConfig, settings: SweepSettings) -> Resumable:
             f"--resume: --config differs from the config the sweep in {settings.output_dir} started with; "
             "resume with that config, or start a new sweep without --resume"
         )
-    now = _state(cfg, settings, state["name"], state["speeds"], state["dilation"])["settings"]
+    now = _search_settings(settings)
     changed = sorted(k for k in now if now[k] != state["settings"].get(k))
     if changed:
         was = ", ".join(f"--{k.replace('_', '-')} {state['settings'].get(k)}" for k in changed)

@@ -175,7 +175,8 @@ def free_comm_threads(claim: tuple[Path, int] | None) -> int:
     made: a new thread starts in its creator's group. Returns how many threads moved: none on an unthrottled
     node, and none under cgroup v2, which keeps a process's threads together (its threaded mode aside), so
     there communication stays throttled with the device."""
-    if claim is None or not (claim[0].parent / "tasks").exists():
+    tasks = claim[0].parent / "tasks" if claim else None
+    if tasks is None or not tasks.exists():
         return 0
     moved = 0
     for tid in os.listdir("/proc/self/task"):
@@ -184,6 +185,6 @@ def free_comm_threads(claim: tuple[Path, int] | None) -> int:
         except OSError:
             continue  # it exited meanwhile
         if name.startswith(COMM_THREAD_PREFIXES):
-            (claim[0].parent / "tasks").write_text(tid)
+            tasks.write_text(tid)
             moved += 1
     return moved
