@@ -114,6 +114,26 @@ def describe(plan) -> str:
     return " | ".join(" → ".join(s) for s in shapes.values())
 
 
+def device_record(d: dict) -> dict:
+    """What one worker measured: its step, the compute inside it and its gradient sync."""
+    return {k: d[k] for k in ("rank", "gpu_type", "local_batch", "micro_batch", "step_s", "comm_s")} | {
+        "busy_s": d["utilisation"] * d["step_s"]
+    }
+
+
+def role_record(r) -> dict:
+    """What the planner predicted for one role."""
+    return {
+        "gpu_type": r.gpu_type,
+        "pipeline": r.pipeline,
+        "stage": r.stage,
+        "layers": r.layers,
+        "local_batch": r.local_batch,
+        "micro_batch": r.micro_batch,
+        "predicted_compute_s": r.predicted_compute_s,
+    }
+
+
 def measure(steps: int = 16, mode: str = "throttled") -> list[dict]:
     """Run the three plans on one emulated cluster; one record per plan with predicted, measured and their ratio."""
     from rich.console import Console
@@ -148,6 +168,10 @@ def measure(steps: int = 16, mode: str = "throttled") -> list[dict]:
                         "predicted_step_s": predicted,
                         "measured_step_s": metrics["step_s"],
                         "predicted_over_measured": predicted / metrics["step_s"],
+                        "predicted_compute_s": prepared.plan.predicted_compute_s,
+                        "predicted_comm_s": prepared.plan.predicted_comm_s,
+                        "devices": [device_record(d) for d in metrics["devices"]],
+                        "roles": [role_record(r) for r in prepared.plan.roles],
                     }
                 )
         finally:

@@ -115,8 +115,15 @@ COMM_THREADS = textwrap.dedent(
         before = groups()
         moved = free_comm_threads(claim)
         dist.all_reduce(torch.ones(8))  # the group still works from outside the slice
+        after = groups()
+        # A later group's threads start in the slice, and a thread only takes its name once it runs (so a
+        # group made just before a call may be missed): the loop calls again after its first step.
+        late = dist.new_group([0])
+        dist.all_reduce(torch.ones(8), group=late)
+        lazy = groups()
+        moved_late = free_comm_threads(claim)
         return {"slice": claim[0].name, "base": claim[0].parent.name, "moved": moved, "before": before,
-                "after": groups()}
+                "after": after, "lazy": lazy, "moved_late": moved_late, "late": groups()}
 
     ray.init(address="auto")
     print(json.dumps(ray.get(threads.remote())))
@@ -139,6 +146,9 @@ def test_communication_threads_leave_the_slice(cluster):
     assert not [n for n in got["after"].get(got["slice"], []) if n.startswith(("gloo", "pt_gloo", "pt_tcpstore"))]
     assert sorted(n for n in got["after"][got["base"]] if n.startswith(("gloo", "pt_gloo"))) == sorted(gloo), got
     assert got["after"][got["slice"]], got  # the compute (the main thread among them) stays throttled
+    started_late = [n for n in got["lazy"][got["slice"]] if n.startswith(("gloo", "pt_gloo"))]
+    assert started_late and got["moved_late"] >= len(started_late), got
+    assert not [n for n in got["late"][got["slice"]] if n.startswith(("gloo", "pt_gloo", "pt_tcpstore"))], got
 
 
 # The reference: each device runs plain training steps for two seconds on its slice, both at once, as the

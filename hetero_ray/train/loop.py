@@ -125,7 +125,8 @@ def train_worker(payload: dict[str, Any]) -> None:
     else:
         model = workload.model.to(device)
     sync = make_sync(model, cfg, device, role.precision if role else None, buckets)
-    # Every process group is made by now: gloo's threads leave the device's slice (they are its host's).
+    # gloo's threads leave the device's slice (they are its host's). A thread is named only once it runs, so
+    # those of the groups just made may not show yet: again after the first step.
     free_comm_threads(device_slice)
     start_step, history = _restore(model, sync, cfg.run.run_dir)
     gpu_ids = ray.get_gpu_ids() if device.type == "cuda" else []
@@ -179,6 +180,8 @@ def train_worker(payload: dict[str, Any]) -> None:
         t1 = time.perf_counter()
         stop = rank == 0 and cfg.train.duration_s is not None and time.monotonic() - started > cfg.train.duration_s
         synced = sync.step(loss_sum, stop)
+        if step == start_step:
+            free_comm_threads(device_slice)
         if emu and link:
             emu.pad_comm(t1, link_seconds(synced.bytes_sent, synced.messages, link.bandwidth_bytes_s, link.latency_s))
         loss = synced.loss_total / cfg.train.global_batch
