@@ -14,6 +14,7 @@ from hetero_ray.plan.exhaustive import exhaustive_best_step
 from hetero_ray.plan.instances import random_instance
 from hetero_ray.plan.plan import Infeasible, Plan
 from hetero_ray.plan.search import plan
+from hetero_ray.plan.stages import MeasuredSpeeds, stage_work, type_table
 from hetero_ray.plan.topology import uniform_topology
 from hetero_ray.workloads import build_workload
 
@@ -208,3 +209,31 @@ def test_a_fixed_cost_per_micro_batch_makes_pipelines_use_larger_ones(catalog):
     assert fixed.roles[0].micro_batch > linear.roles[0].micro_batch
     # Each micro-batch costs its stage's share of the fixed cost too.
     assert fixed.predicted_step_s > linear.predicted_step_s
+
+
+def test_each_stage_pays_a_measured_fixed_cost_in_full(catalog):
+    """A profile's fixed cost of a step (``MeasuredSpeeds.fixed_seconds``) is host work that does not shrink
+    with a stage's layers: every stage pays all of it per micro-batch, on top of its share of the step."""
+    fp = layered(8, 2**20, 1e9, 1e6, 1e3)
+    layers = fp.layers
+
+    def per_sample(gpu_type: str, precision: str, micro_batch: int | None) -> float:
+        return 0.01 + 0.05 / (micro_batch or 16)
+
+    shared = type_table(V100, catalog, layers, precision="fp32", efficiency=0.4, seconds_per_sample=per_sample)
+    full = type_table(
+        V100,
+        catalog,
+        layers,
+        precision="fp32",
+        efficiency=0.4,
+        seconds_per_sample=MeasuredSpeeds(per_sample=per_sample, fixed_seconds=lambda t, p: 0.05),
+    )
+    work = dict(micro=4, flight=1, optimizer="adamw", world=2)
+    for i, j in ((0, 2), (0, 4), (3, 8), (0, 8)):
+        extra = (
+            stage_work(full, staged=True, **work).compute[i, j] - stage_work(shared, staged=True, **work).compute[i, j]
+        )
+        assert extra == pytest.approx((1 - (j - i) / 8) * 0.05)
+    # A whole-model worker is priced per sample at its rate, as before.
+    assert (stage_work(full, staged=False, **work).compute == stage_work(shared, staged=False, **work).compute).all()

@@ -219,6 +219,12 @@ class PerfModel:
             return curve(micro_batch)
         return micro_batch * self.cross_type(micro_batch).seconds_per_sample(self.catalog.get(gpu_type), precision)
 
+    def fixed_seconds(self, gpu_type: str, precision: str) -> float:
+        """The part of a step's time that does not grow with its batch (the fitted curve's overhead); 0 where
+        (``gpu_type``, ``precision``) has no history (the catalog's prediction has no fixed part)."""
+        curve = self.curves.get((gpu_type, precision))
+        return curve.overhead_s if curve is not None else 0.0
+
     def samples_per_second(self, gpu_type: str, micro_batch: int, precision: str) -> float:
         """Training throughput of one device running steps of ``micro_batch`` samples."""
         return micro_batch / self.step_seconds(gpu_type, micro_batch, precision)

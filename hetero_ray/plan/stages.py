@@ -27,12 +27,32 @@ from hetero_ray.plan.cost import RECOMPUTE_FACTOR, activation_scale
 from hetero_ray.plan.memory import ADAM_STATE_BYTES, WEIGHT_AND_GRAD_BYTES, in_flight
 from hetero_ray.train.precision import choose_precision
 
+
+@dataclass(frozen=True)
+class MeasuredSpeeds:
+    """A profile's speeds: seconds per sample of a whole-model step by (GPU type, precision, micro-batch; None: a
+    data-parallel worker's even share of the batch), and the fixed part of a step's time by (type, precision),
+    which does not grow with the batch (the host's work: Python, launches, the loss, the optimizer).
+
+    A pipeline stage pays that fixed part in full on every micro-batch, not its share of the layers' part of
+    it: the host work of a pass through a stage (dispatch, the loss, the schedule, the sends) does not shrink
+    with the layers it holds. Measured on throttled devices, a stage spent 2 ms of CPU time per micro-batch
+    outside its layers, about as much as the whole model's pass.
+    """
+
+    per_sample: Callable[[str, str, int | None], float | None]
+    fixed_seconds: Callable[[str, str], float]
+
+    def __call__(self, gpu_type: str, precision: str, micro_batch: int | None) -> float | None:
+        return self.per_sample(gpu_type, precision, micro_batch)
+
+
 # Measured seconds per sample (forward + backward of the whole model) by (GPU type, precision), e.g. from the
 # profiler's history; overrides FLOPs ÷ (peak × efficiency) where it answers. A callable takes a third
 # argument, the micro-batch (None: a data-parallel worker's even share of the batch): a fixed cost per forward
 # and backward (Python, kernel launches) makes small micro-batches dearer per sample, and a pipeline pays it
 # on every micro-batch.
-SecondsPerSample = Callable[[str, str, int | None], float | None] | Mapping[str, float]
+SecondsPerSample = MeasuredSpeeds | Callable[[str, str, int | None], float | None] | Mapping[str, float]
 # (bandwidth bytes/s, latency s)
 Link = tuple[float, float]
 
@@ -62,6 +82,7 @@ class TypeTable:
     cap_bytes: float
     # Measured seconds per sample at a micro-batch, for pipeline stages; None: seconds_per_flop at every size.
     per_sample_at: Callable[[int], float | None] | None
+    fixed_s: float  # a step's measured fixed time, which every stage pays per micro-batch (0: none measured)
     flops: np.ndarray  # prefix sums, length L + 1
     act: np.ndarray
     inputs: np.ndarray  # input bytes of each layer (the previous layer's output), prefix sums
@@ -83,11 +104,13 @@ def type_table(
     spec = catalog.get(gpu_type)
     prec = choose_precision(spec, precision)
     total_flops = sum(c.flops_per_sample for c in layers)
-    measured, per_sample_at = None, None
+    measured, per_sample_at, fixed_s = None, None, 0.0
     if callable(seconds_per_sample):
         measured = seconds_per_sample(gpu_type, prec, None)
         if measured:
             per_sample_at = functools.partial(seconds_per_sample, gpu_type, prec)
+            if isinstance(seconds_per_sample, MeasuredSpeeds):
+                fixed_s = seconds_per_sample.fixed_seconds(gpu_type, prec)
     elif seconds_per_sample is not None:
         measured = seconds_per_sample.get(gpu_type)
     spf = measured / total_flops if measured else 1.0 / (spec.peak_flops(prec) * efficiency)
@@ -103,6 +126,7 @@ def type_table(
         scale=activation_scale(prec),
         seconds_per_flop=spf,
         per_sample_at=per_sample_at,
+        fixed_s=fixed_s,
         cap_bytes=float(spec.memory_bytes),
         flops=np.concatenate([[0.0], np.cumsum([c.flops_per_sample for c in layers])]),
         act=np.concatenate([[0.0], np.cumsum(act)]),
@@ -147,13 +171,16 @@ def stage_work(table: TypeTable, *, micro: int, flight: int, optimizer: str, wor
     mem_plain = static + act
     mem_ckpt = static + kept * table.scale
     spf = table.seconds_per_flop
+    flops = table.flops[None, :] - table.flops[:, None]
+    fixed = 0.0
     if staged and table.per_sample_at is not None:
-        # A stage pays the measured fixed cost of each micro-batch, but is never priced below a data-parallel
-        # worker's rate: the caches a small micro-batch uses better (measured on CPUs) come with costs per
-        # micro-batch this model leaves out (the schedule, the messages' host work), and throttled pipelines
-        # priced at that gain ran slower than the data parallelism they displaced.
+        # A stage pays its share of the measured step at its micro-batch, but is never priced below a
+        # data-parallel worker's rate: the caches a small micro-batch uses better (measured on CPUs) made
+        # throttled pipelines look cheaper than the data parallelism they displaced, and ran slower. On top,
+        # the step's fixed part in full (``MeasuredSpeeds``), not only its share of the layers.
         spf = max(spf, (table.per_sample_at(micro) or 0.0) / table.flops[-1])
-    compute = (table.flops[None, :] - table.flops[:, None]) * spf * micro
+        fixed = (1.0 - flops / table.flops[-1]) * table.fixed_s
+    compute = flops * spf * micro + fixed
     n = len(table.out)
     idx = np.arange(n + 1)
     valid = idx[None, :] > idx[:, None]
