@@ -150,10 +150,11 @@ def _completed(weight: float, rate: float, speeds: dict[str, float]) -> dict:
         ({"A100-80GB": 25.5, "V100-16GB": 10.0}, None),  # they run as predicted: no repeat, TPE goes on
     ],
 )
-def test_the_search_tries_the_split_the_first_trial_measured(tmp_path, speeds, second):
+def test_the_search_follows_the_splits_the_trials_measured(tmp_path, speeds, second):
     """Through Tune's searcher interface: the prediction, then the split by the first trial's measured speeds
-    (unless that is the prediction again), then TPE inside the space; Optuna is told every result, and the
-    state survives Tune's save and restore (what --resume loads)."""
+    (unless that is the prediction again), then the split by that trial's speeds while it is new, then TPE
+    inside the space; Optuna is told every result, and the state survives Tune's save and restore (what
+    --resume loads)."""
     from tuning.search import MeasuredBalanceSearch
 
     space = share_space(parse_config(config()), {"A100-80GB": 2.5, "V100-16GB": 1.0}, spread=3.0)
@@ -171,11 +172,15 @@ def test_the_search_tries_the_split_the_first_trial_measured(tmp_path, speeds, s
         return
     assert point == {"weight:A100-80GB": pytest.approx(second)}
     restored.on_trial_result("t1", {"samples_per_s": 500.0})
-    restored.on_trial_complete("t1", _completed(second, 520.0, speeds))
-    third = restored.suggest("t2")
-    assert lo <= third["weight:A100-80GB"] <= hi and third["weight:A100-80GB"] not in (2.5, second)
-    # Optuna knows both results: the prediction's and the measured point's.
-    assert sorted(t.value for t in restored._ot_study.trials if t.value is not None) == [400.0, 520.0]
+    # At 4.5 the A100s get more of the batch and run faster per sample: their speeds call for 5 : 1.
+    restored.on_trial_complete("t1", _completed(second, 520.0, {**speeds, "A100-80GB": 50.0}))
+    assert restored.suggest("t2") == {"weight:A100-80GB": pytest.approx(5.0)}
+    # 5 : 1 measures 5.1 : 1, within 5 % of a point tried: the chain ends and TPE goes on.
+    restored.on_trial_complete("t2", _completed(5.0, 540.0, {**speeds, "A100-80GB": 51.0}))
+    fourth = restored.suggest("t3")
+    assert lo <= fourth["weight:A100-80GB"] <= hi and fourth["weight:A100-80GB"] not in (2.5, second, 5.0)
+    # Optuna knows every result: the prediction's and the measured points'.
+    assert sorted(t.value for t in restored._ot_study.trials if t.value is not None) == [400.0, 520.0, 540.0]
 
 
 # Real Tune experiments, run by a stand-in trainable in their own process (a local Ray), read back from disk as
