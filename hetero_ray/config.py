@@ -157,6 +157,17 @@ class TrainConfig(_Strict):
         description="Elastic: after a loss, go on with as few as this many workers, re-planned for the same "
         "global batch; they grow back when devices return. None: all devices or none.",
     )
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="Gradients on the wire (adam): cast for the all-reduce, kept and applied in fp32, as DDP's "
+        "bf16/fp16 compression hooks do; bf16 and fp16 halve the bytes sent.",
+    )
+    bucket_mb: float = Field(
+        25.0,
+        gt=0,
+        description="Gradient bucket size in MiB (DDP's bucket_cap_mb): each bucket is all-reduced as soon as "
+        "the step's last backward has filled it.",
+    )
     resize_check_s: float = Field(
         60.0,
         gt=0,
@@ -275,6 +286,15 @@ class RunConfig(_Strict):
                 check_shares(self.devices, self.emulation.cpu_share)
             except ValueError as exc:
                 raise ValueError(f"emulation.cpu_share: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _reduce_dtype_with_adam(self) -> RunConfig:
+        if self.train.reduce_dtype != "fp32" and self.optimizer.name in ONEBIT_OPTIMIZERS:
+            raise ValueError(
+                f"train.reduce_dtype: {self.train.reduce_dtype} casts adam's gradients; {self.optimizer.name} "
+                f"compresses its own, so use reduce_dtype: fp32 with it"
+            )
         return self
 
     @model_validator(mode="after")

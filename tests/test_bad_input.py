@@ -400,6 +400,13 @@ CASES = [
     Case("onebit-freeze-past-steps", TRAIN, "`optimizer: {name: onebit_adam, freeze_step: 2}` with `steps: 2`",
          cli(train(lambda d: config(d, optimizer={"name": "onebit_adam", "freeze_step": 2}))),
          rf"{CFG}: optimizer\.freeze_step: 2 is not below train\.steps 2, so compression would never engage"),
+    Case("onebit-with-reduce-dtype", TRAIN, "`optimizer: {name: onebit_adam}` with `train: {reduce_dtype: bf16}`",
+         cli(train(lambda d: config(d, optimizer={"name": "onebit_adam"}, train__reduce_dtype="bf16"))),
+         rf"{CFG}: train\.reduce_dtype: bf16 casts adam's gradients; onebit_adam compresses its own, so use "
+         r"reduce_dtype: fp32 with it"),
+    Case("reduce-dtype-unknown", TRAIN, "`train: {reduce_dtype: int8}`",
+         cli(train(lambda d: config(d, train__reduce_dtype="int8"))),
+         rf"{CFG}: train\.reduce_dtype: .*'fp32', 'bf16' or 'fp16'"),
     Case("onebit-default-freeze-one-step", TRAIN, "`optimizer: {name: onebit_adam}` with `steps: 1`",
          cli(train(lambda d: config(d, optimizer={"name": "onebit_adam"}, train__steps=1))),
          rf"{CFG}: optimizer\.freeze_step: 1 \(the default.*use train\.steps >= 2"),

@@ -57,7 +57,7 @@ def train(rank: int, optimizer: str) -> dict:
     batches = GlobalBatches(len(workload.dataset), GLOBAL_BATCH, SEED)
     losses, steps = [], []
     for step in range(STEPS):
-        loss_sum, _ = stage.step(batches.indices(step), None)
+        loss_sum, _ = stage.step(batches.indices(step), None, sync)
         synced = sync.step(loss_sum, False)
         losses.append(synced.loss_total / GLOBAL_BATCH)
         steps.append((synced.compressed, synced.bytes_sent, synced.messages))

@@ -95,7 +95,7 @@ def pipeline_rank(rank: int, world: int, roles: list[WorkerRole], schedule: str)
     for step in range(STEPS):
         indices = batches.indices(step)
         if stage:
-            loss_sum, _ = stage.step(indices, None)
+            loss_sum, _ = stage.step(indices, None, sync)
         else:
             loss_sum, _ = local_backward(model, workload, indices, roles[rank], GLOBAL_BATCH, cpu, None, None, sync)
         losses.append(sync.step(loss_sum, False).loss_total / GLOBAL_BATCH)

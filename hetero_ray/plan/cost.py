@@ -12,6 +12,8 @@ if TYPE_CHECKING:  # an annotation only: the module imports torch, which `hetero
     from hetero_ray.perf.footprint import Footprint
 
 HALF_PRECISIONS = ("bf16", "fp16")
+# Bytes per gradient element on the wire, by ``train.reduce_dtype``.
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
 # Activation checkpointing adds one forward to forward + backward (a forward is about 1/3 of both).
 RECOMPUTE_FACTOR = 4 / 3
 
@@ -65,11 +67,18 @@ def link_seconds(bytes_sent: float, messages: int, bandwidth_bytes_s: float, lat
 
 
 def allreduce_seconds(
-    numels: Sequence[int], world: int, bandwidth_bytes_s: float, latency_s: float, *, compressed: bool = False
+    numels: Sequence[int],
+    world: int,
+    bandwidth_bytes_s: float,
+    latency_s: float,
+    *,
+    compressed: bool = False,
+    element_bytes: float = 4.0,
 ) -> float:
     """Gradient synchronisation per step on the slowest link of the ring, for parameter tensors of ``numels``.
 
-    fp32: one bucketed ring all-reduce of all gradients. 1-bit compressed: DeepSpeed
+    Uncompressed: one bucketed ring all-reduce of all gradients, ``element_bytes`` each on the wire
+    (``WIRE_BYTES``). 1-bit compressed: DeepSpeed
     compresses tensor by tensor, each an all-to-all plus a scale gather, then a sign
     and a scale gather: four collective rounds of W-1 messages per tensor.
     """
@@ -78,7 +87,8 @@ def allreduce_seconds(
     if compressed:
         sent = sum(onebit_allreduce_bytes(n, world) for n in numels)
         return link_seconds(sent, 4 * (world - 1) * len(numels), bandwidth_bytes_s, latency_s)
-    return link_seconds(ring_allreduce_bytes(4 * sum(numels), world), 2 * (world - 1), bandwidth_bytes_s, latency_s)
+    payload = element_bytes * sum(numels)
+    return link_seconds(ring_allreduce_bytes(payload, world), 2 * (world - 1), bandwidth_bytes_s, latency_s)
 
 
 def stage_compute_seconds(flops: float, peak_flops: float, efficiency: float, *, checkpointing: bool) -> float:

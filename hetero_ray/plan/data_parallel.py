@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from hetero_ray.cluster.catalog import Catalog, GpuSpec
 from hetero_ray.perf.footprint import Footprint
-from hetero_ray.plan.cost import activation_scale, allreduce_seconds, compute_seconds, max_micro_batch
+from hetero_ray.plan.cost import WIRE_BYTES, activation_scale, allreduce_seconds, compute_seconds, max_micro_batch
 from hetero_ray.plan.plan import Exclusion, Infeasible, Plan, WorkerRole
 from hetero_ray.train.precision import choose_precision
 
@@ -66,6 +66,7 @@ def plan_data_parallel(
     emulated: bool = False,
     link: Link | None = None,
     compressed: bool = False,
+    reduce_dtype: str = "fp32",
 ) -> Plan | Infeasible:
     """Plan weighted data parallelism over workers of the given GPU types.
 
@@ -73,7 +74,7 @@ def plan_data_parallel(
     ``efficiency``; a type whose memory cannot hold one sample is excluded with
     the reason, and if every type is excluded the result is ``Infeasible``.
     With a ``link`` (bandwidth bytes/s, latency s), the gradient all-reduce is
-    priced on it: fp32 ring, and 1-bit compressed when ``compressed``.
+    priced on it: a ring of ``reduce_dtype`` gradients, and 1-bit compressed when ``compressed``.
     """
     specs = [catalog.get(t) for t in rank_types]
     precisions = [choose_precision(s, precision) for s in specs]
@@ -99,7 +100,7 @@ def plan_data_parallel(
     )
     world = len(rank_types)
     numels = footprint.param_numels or (footprint.param_count,)
-    comm_fp32 = allreduce_seconds(numels, world, *link) if link else 0.0
+    comm_fp32 = allreduce_seconds(numels, world, *link, element_bytes=WIRE_BYTES[reduce_dtype]) if link else 0.0
     plan = Plan(
         global_batch=global_batch,
         split=split if isinstance(split, str) else "weights",

@@ -194,6 +194,7 @@ def exhaustive_best_step(
                     compressed=space.optimizer in ONEBIT_OPTIMIZERS,
                     layers=space.layers,
                     tensors=space.tensors,
+                    wire_bytes=space.wire_bytes,
                 )
                 best = min(best, alloc.seconds + comm)
     return best

@@ -51,7 +51,7 @@ import numpy as np
 from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.config import ONEBIT_OPTIMIZERS
 from hetero_ray.perf.footprint import Footprint
-from hetero_ray.plan.cost import allreduce_seconds, hierarchical_allreduce_seconds
+from hetero_ray.plan.cost import WIRE_BYTES, allreduce_seconds, hierarchical_allreduce_seconds
 from hetero_ray.plan.memory import SCHEDULES
 from hetero_ray.plan.plan import Infeasible, Plan
 from hetero_ray.plan.stages import (
@@ -169,13 +169,16 @@ def stage_numels(split: KindSplit, stage: int, layers: int, tensors: int) -> lis
     return [max(1, split.stage_params[stage] // k)] * k
 
 
-def comm_seconds(groups: Sequence[Group], topology: Topology, *, compressed: bool, layers: int, tensors: int) -> float:
+def comm_seconds(
+    groups: Sequence[Group], topology: Topology, *, compressed: bool, layers: int, tensors: int, wire_bytes: float
+) -> float:
     """Gradient synchronisation per step: the slowest device's all-reduce of its stage's gradients.
 
     Each layer's gradient is averaged over the P pipelines. The members of a
     stage's group sit ``local`` to a node; the group spans the nodes of all
     groups. fp32: hierarchical (intra-node reduce-scatter, inter-node ring,
-    intra-node all-gather). 1-bit compressed: DeepSpeed's flat algorithm, tensor
+    intra-node all-gather), ``wire_bytes`` per gradient element (``train.reduce_dtype``).
+    1-bit compressed: DeepSpeed's flat algorithm, tensor
     by tensor, on the slowest link it crosses.
     """
     pipelines = sum(g.replicas for g in groups)
@@ -184,7 +187,9 @@ def comm_seconds(groups: Sequence[Group], topology: Topology, *, compressed: boo
     nodes = sum(-(-g.replicas // min(g.local)) for g in groups)
     inter = topology.inter({t for g in groups for t in g.split.stage_types})
     return max(
-        group_comm_seconds(g, topology, pipelines, nodes, inter, compressed=compressed, layers=layers, tensors=tensors)
+        group_comm_seconds(
+            g, topology, pipelines, nodes, inter, compressed=compressed, layers=layers, tensors=tensors, wire=wire_bytes
+        )
         for g in groups
     )
 
@@ -204,7 +209,7 @@ def group_comm_seconds(
             seconds = allreduce_seconds(numels, pipelines, *link, compressed=True)
         else:
             local = pipelines if nodes == 1 else g.local[s]
-            payload = 4.0 * g.split.stage_params[s]
+            payload = kw["wire"] * g.split.stage_params[s]
             seconds = hierarchical_allreduce_seconds(payload, local=local, nodes=nodes, intra=intra, inter=inter)
         worst = max(worst, seconds)
     return worst
@@ -246,6 +251,7 @@ class Space:
     micro_batches: tuple[int, ...]
     layers: int
     tensors: int
+    wire_bytes: float  # bytes per gradient element on the wire (``train.reduce_dtype``)
 
     def stage_options(self, gpu_type: str, available: int) -> list[int]:
         """Stage counts a single-type pipeline of ``gpu_type`` may have with ``available`` devices (0: unused)."""
@@ -438,22 +444,24 @@ def block_lower_bounds(space: Space, fixed: Sequence[Group], options) -> np.ndar
     )
     comm = np.zeros(dims)
     for g in fixed:
-        comm = np.maximum(comm, group_comm_grid(g, topo, pipelines, nodes, bandwidth))
+        comm = np.maximum(comm, group_comm_grid(g, topo, pipelines, nodes, bandwidth, space.wire_bytes))
     for axis, opts in enumerate(options):
         for o, (g, _) in enumerate(opts):
             if g is not None:
                 at = tuple(o if a == axis else slice(None) for a in range(len(dims)))
-                comm[at] = np.maximum(comm[at], group_comm_grid(g, topo, pipelines[at], nodes[at], bandwidth[at]))
+                comm[at] = np.maximum(
+                    comm[at], group_comm_grid(g, topo, pipelines[at], nodes[at], bandwidth[at], space.wire_bytes)
+                )
     return np.where(valid, bound + comm, np.inf)
 
 
-def group_comm_grid(g: Group, topology: Topology, pipelines, nodes, bandwidth) -> np.ndarray:
+def group_comm_grid(g: Group, topology: Topology, pipelines, nodes, bandwidth, wire_bytes: float) -> np.ndarray:
     """``group_comm_seconds`` (fp32) on arrays of pipeline counts, node counts and inter-node bandwidths."""
     worst = np.zeros(np.shape(pipelines))
     for s, t in largest_stage_per_type(g.split):
         local = np.where(nodes == 1, pipelines, g.local[s])
         seconds = hierarchical_allreduce_seconds(
-            4.0 * g.split.stage_params[s],
+            wire_bytes * g.split.stage_params[s],
             local=local,
             nodes=nodes,
             intra=topology.intra(t),
@@ -477,7 +485,7 @@ def make_group(space: Space, kinds: Kinds, types: tuple[str, ...], replicas: int
 
 def shape_comm(space: Space, groups: Sequence[Group]) -> tuple[float, float]:
     """(communication priced for the optimizer, fp32 communication) of a shape."""
-    kw = dict(layers=space.layers, tensors=space.tensors)
+    kw = dict(layers=space.layers, tensors=space.tensors, wire_bytes=space.wire_bytes)
     fp32 = comm_seconds(groups, space.topology, compressed=False, **kw)
     if space.optimizer in ONEBIT_OPTIMIZERS:
         return comm_seconds(groups, space.topology, compressed=True, **kw), fp32
@@ -498,6 +506,7 @@ def build_space(
     max_stages: int,
     micro_batches: Sequence[int],
     seconds_per_sample: SecondsPerSample | None,
+    reduce_dtype: str = "fp32",
 ) -> Space:
     """Validate the inputs and tabulate every type's layer costs."""
     if global_batch < 1:
@@ -533,6 +542,7 @@ def build_space(
         micro_batches=tuple(sorted(set(micro_batches))),
         layers=len(layers),
         tensors=len(footprint.param_numels) or len(layers),
+        wire_bytes=WIRE_BYTES[reduce_dtype],
     )
 
 
@@ -551,6 +561,7 @@ def plan(
     max_stages: int = 8,
     micro_batches: Sequence[int] = MICRO_BATCHES,
     seconds_per_sample: SecondsPerSample | None = None,
+    reduce_dtype: str = "fp32",
     top_k: int = 5,
 ) -> list[Plan] | Infeasible:
     """The ``top_k`` best plans for workers of ``rank_types`` (one GPU type per worker), best first.
@@ -558,7 +569,8 @@ def plan(
     ``topology`` places the workers on nodes and prices links; ``optimizer``
     (``adam``, ``onebit_adam``, ``zero_one_adam``) sizes optimizer state and, for
     the 1-bit ones, prices the compressed phase; ``seconds_per_sample`` overrides
-    the FLOPs-based speed of a type with a measured one. Raises ``ValueError``
+    the FLOPs-based speed of a type with a measured one; ``reduce_dtype`` prices the gradients on the wire
+    (``train.reduce_dtype``). Raises ``ValueError``
     (one line) on bad input; returns ``Infeasible`` when no plan of the space fits.
     """
     space = build_space(
@@ -574,6 +586,7 @@ def plan(
         max_stages=max_stages,
         micro_batches=micro_batches,
         seconds_per_sample=seconds_per_sample,
+        reduce_dtype=reduce_dtype,
     )
     kinds = Kinds(space)
     made: dict[tuple[tuple[str, ...], int], Group] = {}

@@ -10,6 +10,7 @@ synchronise and update (``train/sync.py``), padded to the emulated link's time.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
 import time
@@ -170,7 +171,7 @@ def train_worker(payload: dict[str, Any]) -> None:
         fitted = None
         if stage is not None:
             cap = emu.memory_cap(stage.module, stage.static_bytes(STATIC_BYTES_PER_PARAM)) if emu else None
-            loss_sum, busy = stage.step(batches.indices(step), cap)
+            loss_sum, busy = stage.step(batches.indices(step), cap, sync)
             busy = busy if emu else time.perf_counter() - t0
         else:
             loss_sum, fitted = local_backward(
@@ -183,7 +184,7 @@ def train_worker(payload: dict[str, Any]) -> None:
         if step == start_step:
             free_comm_threads(device_slice)
         if emu and link:
-            emu.pad_comm(t1, link_seconds(synced.bytes_sent, synced.messages, link.bandwidth_bytes_s, link.latency_s))
+            emu.pad_comm(t1, link_wait_s(synced, t1, link, overlapped=not emu.padded))
         loss = synced.loss_total / cfg.train.global_batch
         window.add(time.perf_counter() - t0, busy, time.perf_counter() - t1, synced)
         last = step + 1 == cfg.train.steps or synced.stop
@@ -210,6 +211,20 @@ def train_worker(payload: dict[str, Any]) -> None:
         if synced.stop:
             break
     monitor.close()
+
+
+def link_wait_s(synced: Synced, t1: float, link, *, overlapped: bool) -> float:
+    """Seconds after ``t1`` (the end of the step's compute) until the named link would have delivered this step's
+    messages, one after another: each gradient chunk from its launch during the backward (``overlapped``; a
+    padded device's backward is not the modelled one, so there every chunk starts at ``t1``), the rest after."""
+    done = -math.inf
+    for launch in synced.launches:
+        start = max(done, launch.at if overlapped else t1)
+        done = start + link_seconds(launch.bytes_sent, launch.messages, link.bandwidth_bytes_s, link.latency_s)
+    rest_bytes = synced.bytes_sent - sum(x.bytes_sent for x in synced.launches)
+    rest_messages = synced.messages - sum(x.messages for x in synced.launches)
+    rest = link_seconds(rest_bytes, rest_messages, link.bandwidth_bytes_s, link.latency_s)
+    return max(done, t1) - t1 + rest
 
 
 def local_backward(
@@ -242,6 +257,8 @@ def local_backward(
             fitted = min(fitted or half, half)
             pending[:0] = [(start, half), (start + half, size - half)]
             continue
+        if not pending:
+            sync.arm()  # the step's last backward: its gradients go on the wire as they are ready
         sync.backward(loss * (size / global_batch * sync.loss_weight))
         loss_sum += loss.item() * size
     return loss_sum, fitted

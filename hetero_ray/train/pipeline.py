@@ -21,9 +21,9 @@ from torch.utils.checkpoint import checkpoint
 
 from hetero_ray.cluster.emulated_device import EmulatedDevice, PaddedModule
 from hetero_ray.plan.plan import WorkerRole
+from hetero_ray.train.buckets import Bucket
 from hetero_ray.train.data import collate
 from hetero_ray.train.precision import autocast
-from hetero_ray.train.sync import Bucket
 from hetero_ray.workloads import Workload
 
 
@@ -136,8 +136,9 @@ class Stage:
     def static_bytes(self, bytes_per_param: int) -> int:
         return sum(p.numel() for p in self.module.parameters()) * bytes_per_param
 
-    def step(self, indices: torch.Tensor, memory_cap) -> tuple[float, float]:
-        """Run the pipeline's micro-batches through this stage; return (summed loss, busy seconds)."""
+    def step(self, indices: torch.Tensor, memory_cap, sync) -> tuple[float, float]:
+        """Run the pipeline's micro-batches through this stage, ``sync`` armed to reduce each gradient bucket as
+        soon as their backward passes have filled it; return (summed loss, busy seconds)."""
         role, layered = self.role, self.workload.layered
         mine = indices[role.sample_offset : role.sample_offset + role.local_batch]
         batch = collate(self.workload.dataset, mine) if self.is_first or self.is_last else None
@@ -148,6 +149,7 @@ class Stage:
             kwargs = {"target": layered.targets(batch).to(self.device), "losses": losses}
         if self.padded:
             self.padded.busy_s = 0.0
+        sync.arm(self.n_micro)
         with memory_cap or nullcontext(), autocast(role.precision, self.device):
             self.schedule.step(*args, **kwargs)
         loss_sum = sum(float(x.detach()) for x in losses) * self.global_batch

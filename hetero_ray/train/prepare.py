@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from hetero_ray.plan import search
 from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
 from hetero_ray.plan.plan_file import load_plan
+from hetero_ray.plan.stages import MeasuredSpeeds
 from hetero_ray.plan.topology import NodeKind, Topology
 from hetero_ray.workloads import build_workload
 
@@ -81,9 +81,9 @@ def topology_for(cfg: RunConfig, catalog: Catalog, types: list[str]) -> Topology
     )
 
 
-def profiled_speeds(cfg: RunConfig, catalog: Catalog) -> Callable[[str, str, int | None], float] | None:
-    """Seconds per sample by (type, precision, micro-batch) from the performance model fitted to
-    ``profile_history``; ``None`` without a history.
+def profiled_speeds(cfg: RunConfig, catalog: Catalog) -> MeasuredSpeeds | None:
+    """Seconds per sample by (type, precision, micro-batch), and each type's fixed cost of a step, from the
+    performance model fitted to ``profile_history``; ``None`` without a history.
 
     Micro-batch ``None`` prices a data-parallel worker, at an even share of the global batch.
     """
@@ -105,7 +105,7 @@ def profiled_speeds(cfg: RunConfig, catalog: Catalog) -> Callable[[str, str, int
         micro = micro_batch or even
         return model.step_seconds(gpu_type, micro, precision) / micro
 
-    return seconds_per_sample
+    return MeasuredSpeeds(per_sample=seconds_per_sample, fixed_seconds=model.fixed_seconds)
 
 
 def plan_for(
@@ -130,6 +130,7 @@ def plan_for(
             efficiency=efficiency,
             emulated=emulated,
             seconds_per_sample=profiled_speeds(cfg, catalog),
+            reduce_dtype=cfg.train.reduce_dtype,
             top_k=1,
             **({"max_stages": 1} if cfg.optimizer.name in ONEBIT_OPTIMIZERS else {}),
         )
@@ -149,6 +150,7 @@ def plan_for(
         emulated=emulated,
         link=(link.bandwidth_bytes_s, link.latency_s) if link else None,
         compressed=cfg.optimizer.name in ONEBIT_OPTIMIZERS,
+        reduce_dtype=cfg.train.reduce_dtype,
     )
     if isinstance(plan, Infeasible):
         raise PlanError(plan.reason)

@@ -16,39 +16,35 @@ import torch.distributed as dist
 
 from hetero_ray.config import ConfigError, RunConfig
 from hetero_ray.plan.cost import onebit_allreduce_bytes, ring_allreduce_bytes
+from hetero_ray.train.buckets import WIRE_DTYPES, Bucket, GradBuckets, Launch
 from hetero_ray.train.precision import needs_loss_scaling
 
 
 @dataclass(frozen=True)
 class Synced:
-    """What one synchronisation returns: the summed loss, the stop vote, bytes this rank sent."""
+    """What one synchronisation returns: the summed loss, the stop vote, bytes this rank sent; ``launches``: the
+    gradient all-reduces that started during the backward (``buckets.Launch``), the rest counted from the step."""
 
     loss_total: float
     stop: bool
     bytes_sent: float
     messages: int
     compressed: bool
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """Parameters whose gradients are summed over ``group`` of ``size`` ranks (``None``: the world)."""
-
-    group: dist.ProcessGroup | None
-    size: int
-    params: list[torch.nn.Parameter]
+    launches: tuple[Launch, ...] = ()
 
 
 class TorchAdam:
-    """AdamW on the full-batch mean gradient, from one SUM all-reduce of flat gradients per bucket.
+    """AdamW on the full-batch mean gradient, SUM all-reduced bucket by bucket as the backward fills them.
 
     Each micro-batch's loss is weighted ``size / global_batch``, so the sum over
     the ranks holding a parameter is the full-batch mean. Data parallelism has
     one bucket, the whole model over the world; a pipelined plan has one per set
-    of ranks holding the same layers. fp16 ranks unscale locally before the
-    all-reduce (scales differ by rank), and all ranks skip a step together when any
-    gradient is not finite. Optimizer state is saved by position in
-    ``model.parameters()``, so a checkpoint loads on any plan.
+    of ranks holding the same layers. Gradients live in ``buckets.GradBuckets``:
+    views into flat chunks, each all-reduced (in ``train.reduce_dtype``) while the
+    backward goes on. fp16 ranks reduce after their local unscale (scales differ by
+    rank), and all ranks skip a step together when any gradient is not finite.
+    Optimizer state is saved by position in ``model.parameters()``, so a checkpoint
+    loads on any plan.
     """
 
     loss_weight = 1.0
@@ -61,38 +57,33 @@ class TorchAdam:
         precision: str | None,
         buckets: list[Bucket] | None = None,
     ):
-        self.buckets = (
-            buckets if buckets is not None else [Bucket(None, dist.get_world_size(), list(model.parameters()))]
-        )
-        self.params = [p for b in self.buckets for p in b.params]
+        buckets = buckets if buckets is not None else [Bucket(None, dist.get_world_size(), list(model.parameters()))]
+        self.params = [p for b in buckets for p in b.params]
         position = {id(p): i for i, p in enumerate(model.parameters())}
         self.index = [position[id(p)] for p in self.params]
+        self.grads = GradBuckets(
+            buckets, wire=WIRE_DTYPES[cfg.train.reduce_dtype], bucket_bytes=int(cfg.train.bucket_mb * 2**20)
+        )
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.train.lr, betas=cfg.optimizer.betas, weight_decay=cfg.train.weight_decay
         )
         self.scaler = torch.amp.GradScaler("cuda") if precision and needs_loss_scaling(precision, device) else None
         self.device = device
 
+    def arm(self, passes: int = 1) -> None:
+        """The next ``passes`` backward passes end the step: their gradients go on the wire as they are ready.
+        A rank with a loss scaler reduces after its unscale, in ``step``."""
+        if self.scaler is None:
+            self.grads.arm(passes)
+
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def _reduce(self, bucket: Bucket) -> bool:
-        """Sum the bucket's gradients over its ranks in place; whether they are all finite."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        if bucket.size > 1:
-            dist.all_reduce(flat, group=bucket.group)
-        offset = 0
-        for p, g in zip(bucket.params, grads):
-            p.grad = flat[offset : offset + g.numel()].view_as(p).to(p.dtype)
-            offset += g.numel()
-        return bool(torch.isfinite(flat).all())
-
     def step(self, loss_sum: float, stop: bool) -> Synced:
-        """All-reduce gradients bucket by bucket, agree on loss, stop and finiteness, then update."""
+        """Finish the gradient all-reduces, agree on loss, stop and finiteness, then update."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        finite = all([self._reduce(b) for b in self.buckets])
+        finite, launches = self.grads.finish()
         world = dist.get_world_size()
         votes = torch.tensor([loss_sum, float(stop), float(not finite)], device=self.device)
         dist.all_reduce(votes)
@@ -100,15 +91,14 @@ class TorchAdam:
             self.optimizer.step()
         if self.scaler:
             self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        summed = [b for b in self.buckets if b.size > 1]
+        self.grads.zero()
         return Synced(
             loss_total=float(votes[0]),
             stop=bool(votes[1] > 0),
-            bytes_sent=sum(ring_allreduce_bytes(4 * sum(p.numel() for p in b.params), b.size) for b in summed)
-            + ring_allreduce_bytes(4 * votes.numel(), world),
-            messages=sum(2 * (b.size - 1) for b in summed) + 2 * (world - 1),
+            bytes_sent=sum(x.bytes_sent for x in launches) + ring_allreduce_bytes(4 * votes.numel(), world),
+            messages=sum(x.messages for x in launches) + 2 * (world - 1),
             compressed=False,
+            launches=tuple(launches),
         )
 
     def state_dict(self) -> dict:
@@ -236,6 +226,9 @@ class DeepSpeedOnebit:
         if self.flat is not None:
             self.backend.set_segments(self.numels)
         self.grad_copy_s = 0.0  # cumulative time moving gradients into the flat one (and scaling them)
+
+    def arm(self, passes: int = 1) -> None:
+        """Nothing to start early: DeepSpeed reduces in its step, in its own buckets."""
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)

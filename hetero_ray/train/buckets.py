@@ -1,0 +1,155 @@
+"""Gradient buckets as DDP keeps them: gradients are views into flat buckets, each bucket all-reduced as soon
+as the backward has filled it, the step waiting only for what is still on the wire.
+
+Each ``Bucket`` (parameters summed over one process group) is cut into chunks of at most
+``bucket_bytes``, in reverse order of ``params`` (the order the backward reaches them). Every
+parameter's ``.grad`` is a view into its chunk's flat tensor, so autograd accumulates micro-batch after
+micro-batch in place and no second copy of the gradients exists. During the step's last backward
+pass (``arm``), autograd's post-accumulate-grad hooks count the parameters of each chunk; a full chunk
+is launched as an asynchronous SUM all-reduce, chunks strictly in order so that every rank issues the
+same collectives in the same order (gloo and NCCL match them by order). ``finish`` launches what the
+backward did not (a rank without samples, a parameter the step did not use) and waits.
+
+On the wire a chunk is ``wire`` (``train.reduce_dtype``): fp32 reduces the chunk in place; bf16 and
+fp16 reduce a half-width copy and copy the sum back into the fp32 chunk, as DDP's compression hooks do.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hetero_ray.plan.cost import ring_allreduce_bytes
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters whose gradients are summed over ``group`` of ``size`` ranks (``None``: the world)."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    params: list[torch.nn.Parameter]
+
+
+@dataclass(eq=False)
+class _Chunk:
+    group: dist.ProcessGroup | None
+    size: int
+    params: list[torch.nn.Parameter]
+    flat: torch.Tensor
+    pending: int = 0  # parameters still to be filled by the armed pass
+    wire: torch.Tensor | None = None  # the half-width copy in flight
+    work: dist.Work | None = None
+    launched_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One chunk's all-reduce: when it started (``time.perf_counter``), bytes this rank sent, message rounds."""
+
+    at: float
+    bytes_sent: float
+    messages: int
+
+
+@dataclass(eq=False)
+class GradBuckets:
+    """This rank's gradient chunks, their hooks and their in-flight all-reduces (see the module docstring)."""
+
+    buckets: Sequence[Bucket]
+    wire: torch.dtype = torch.float32
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    chunks: list[_Chunk] = field(init=False, default_factory=list)
+    _next: int = field(init=False, default=0)  # first chunk not launched
+    _armed: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes: must be >= 1 (got {self.bucket_bytes})")
+        for bucket in self.buckets:
+            current: list[torch.nn.Parameter] = []
+            # Frozen parameters have no gradient to sum.
+            for p in reversed([p for p in bucket.params if p.requires_grad]):
+                same_dtype = not current or current[0].dtype == p.dtype
+                if current and (not same_dtype or _nbytes(current) + _nbytes([p]) > self.bucket_bytes):
+                    self._add_chunk(bucket, current)
+                    current = []
+                current.append(p)
+            if current:
+                self._add_chunk(bucket, current)
+        for c in self.chunks:
+            for p in c.params:
+                p.register_post_accumulate_grad_hook(functools.partial(self._filled, c))
+
+    def _add_chunk(self, bucket: Bucket, params: list[torch.nn.Parameter]) -> None:
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.chunks.append(_Chunk(group=bucket.group, size=bucket.size, params=params, flat=flat))
+
+    def arm(self, passes: int = 1) -> None:
+        """The next ``passes`` backward passes end the step (a pipeline stage's micro-batches run inside its
+        schedule): launch each chunk once they have filled it."""
+        self._armed = True
+        for c in self.chunks:
+            c.pending = passes * len(c.params)
+
+    def _filled(self, chunk: _Chunk, _param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        chunk.pending -= 1
+        while self._next < len(self.chunks) and self.chunks[self._next].pending == 0:
+            self._launch(self.chunks[self._next])
+
+    def _launch(self, chunk: _Chunk) -> None:
+        self._next += 1
+        chunk.launched_at = time.perf_counter()
+        if chunk.size == 1:
+            return  # a layer one rank holds alone: nothing to sum
+        if self.wire == chunk.flat.dtype:
+            chunk.work = dist.all_reduce(chunk.flat, group=chunk.group, async_op=True)
+        else:
+            chunk.wire = chunk.flat.to(self.wire)
+            chunk.work = dist.all_reduce(chunk.wire, group=chunk.group, async_op=True)
+
+    def finish(self) -> tuple[bool, list[Launch]]:
+        """Launch the chunks the backward did not, wait for all; whether every summed gradient is finite, and
+        each summed chunk's launch."""
+        while self._next < len(self.chunks):
+            self._launch(self.chunks[self._next])
+        finite, launches = True, []
+        for c in self.chunks:
+            if c.work is not None:
+                c.work.wait()
+                if c.wire is not None:
+                    c.flat.copy_(c.wire)
+                size = c.wire.element_size() if c.wire is not None else c.flat.element_size()
+                sent = ring_allreduce_bytes(size * c.flat.numel(), c.size)
+                launches.append(Launch(c.launched_at, sent, 2 * (c.size - 1)))
+            finite = finite and bool(torch.isfinite(c.flat).all())
+            c.work, c.wire, c.launched_at = None, None, None
+        self._next, self._armed = 0, False
+        return finite, launches
+
+    def zero(self) -> None:
+        """Zero every gradient in place (the views stay: ``optimizer.zero_grad`` would drop them)."""
+        for c in self.chunks:
+            c.flat.zero_()
+
+    @property
+    def numel(self) -> int:
+        return sum(c.flat.numel() for c in self.chunks)
+
+
+def _nbytes(params: Sequence[torch.nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
