@@ -251,7 +251,7 @@ def test_the_loops_report_has_the_shape_the_recorder_reads() -> None:
         window = Window()
         for _ in range(5):
             window.add(0.5, 0.4, 0.1, Synced(loss_total=1.0, stop=False, bytes_sent=64.0, messages=1, compressed=False))
-        report = _metrics(4, 2.0, window, plan, list(plan.roles), ["A100-80GB"], None, 0, [(4, 2.0)], 0.0)
+        report = _metrics(4, 2.0, window, plan, list(plan.roles), ["A100-80GB"], None, None, 0, [(4, 2.0)], 0.0)
     finally:
         dist.destroy_process_group()
     records = by_name(report_records(report, rank=0, node="n", run="r"))

@@ -51,7 +51,6 @@ class EmulatedDevice:
     # False: a throttled device, whose compute is timed, never padded.
     padded: bool = True
     overrun_steps: int = field(default=0, init=False)
-    comm_overruns: int = field(default=0, init=False)
     # Most bytes held at once under ``memory_cap``: weights and optimizer state plus live activations.
     peak_bytes: float = field(default=0.0, init=False)
     # Changed by emulated events: a throttled device (speed < 1), a device with less memory.
@@ -80,18 +79,6 @@ class EmulatedDevice:
         modelled = self.modelled_seconds(samples)
         if not _sleep_until(started + modelled):
             self.overrun_steps += 1
-        return modelled
-
-    def pad_comm(self, started: float, seconds: float) -> float:
-        """Sleep until the communication that began at ``started`` has taken ``seconds`` on the link × dilation.
-
-        The same dilation as compute keeps the emulated hardware's compute :
-        communication ratio. Returns the modelled time; ``comm_overruns`` counts
-        the times loopback was slower than the modelled link.
-        """
-        modelled = self.dilation * seconds
-        if not _sleep_until(started + modelled):
-            self.comm_overruns += 1
         return modelled
 
     @contextmanager

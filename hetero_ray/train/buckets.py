@@ -12,11 +12,15 @@ backward did not (a rank without samples, a parameter the step did not use) and 
 
 On the wire a chunk is ``wire`` (``train.reduce_dtype``): fp32 reduces the chunk in place; bf16 and
 fp16 reduce a half-width copy and copy the sum back into the fp32 chunk, as DDP's compression hooks do.
+
+On an emulated device with a named link (``EmulatedLink``), ``finish`` holds the chunks until the link
+would have delivered them, one after another, each from its launch: before the optimizer can apply them.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hetero_ray.plan.cost import ring_allreduce_bytes
+from hetero_ray.plan.cost import link_seconds, ring_allreduce_bytes
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,6 +41,33 @@ class Bucket:
     group: dist.ProcessGroup | None
     size: int
     params: list[torch.nn.Parameter]
+
+
+@dataclass(eq=False)
+class EmulatedLink:
+    """The named link an emulated device's messages are held to: bytes ÷ bandwidth + latency per message round,
+    × ``dilation`` as all of a padded device's times. ``overlapped``: messages start when they are sent (a
+    throttled device computes in real time); else at the end of the step's compute, which on a padded device
+    is not the modelled one. ``overruns`` counts the times loopback was slower than the modelled link."""
+
+    bandwidth_bytes_s: float
+    latency_s: float
+    dilation: float = 1.0
+    overlapped: bool = True
+    overruns: int = 0
+
+    def seconds(self, bytes_sent: float, messages: int) -> float:
+        """Modelled wall time of ``bytes_sent`` in ``messages`` rounds."""
+        return self.dilation * link_seconds(bytes_sent, messages, self.bandwidth_bytes_s, self.latency_s)
+
+    def hold(self, until: float, since: float) -> None:
+        """Sleep until ``until`` (``time.perf_counter``); past it already, count an overrun unless the messages
+        were due before ``since``, when the wait for them began (hidden behind compute)."""
+        remaining = until - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        elif until > since:
+            self.overruns += 1
 
 
 @dataclass(eq=False)
@@ -67,6 +98,7 @@ class GradBuckets:
     buckets: Sequence[Bucket]
     wire: torch.dtype = torch.float32
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    link: EmulatedLink | None = None
     chunks: list[_Chunk] = field(init=False, default_factory=list)
     _next: int = field(init=False, default=0)  # first chunk not launched
     _armed: bool = field(init=False, default=False)
@@ -125,6 +157,7 @@ class GradBuckets:
     def finish(self) -> tuple[bool, list[Launch]]:
         """Launch the chunks the backward did not, wait for all; whether every summed gradient is finite, and
         each summed chunk's launch."""
+        waiting = time.perf_counter()
         while self._next < len(self.chunks):
             self._launch(self.chunks[self._next])
         finite, launches = True, []
@@ -139,6 +172,12 @@ class GradBuckets:
             finite = finite and bool(torch.isfinite(c.flat).all())
             c.work, c.wire, c.launched_at = None, None, None
         self._next, self._armed = 0, False
+        if self.link is not None and launches:
+            delivered = -math.inf
+            for x in launches:
+                begin = max(delivered, x.at if self.link.overlapped else waiting)
+                delivered = begin + self.link.seconds(x.bytes_sent, x.messages)
+            self.link.hold(delivered, waiting)
         return finite, launches
 
     def zero(self) -> None:

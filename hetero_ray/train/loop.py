@@ -10,7 +10,6 @@ synchronise and update (``train/sync.py``), padded to the emulated link's time.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import tempfile
 import time
@@ -31,8 +30,9 @@ from hetero_ray.config import RunConfig
 from hetero_ray.monitor.health import HealthPolicy
 from hetero_ray.monitor.worker import WorkerMonitor
 from hetero_ray.perf.footprint import STATIC_BYTES_PER_PARAM, Footprint
-from hetero_ray.plan.cost import RECOMPUTE_FACTOR, link_seconds, max_micro_batch
+from hetero_ray.plan.cost import RECOMPUTE_FACTOR, max_micro_batch
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
+from hetero_ray.train.buckets import EmulatedLink
 from hetero_ray.train.checkpoint import restore_dir, write_checkpoint
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.device import enter_device, torch_device, worker_gpu_type
@@ -125,7 +125,12 @@ def train_worker(payload: dict[str, Any]) -> None:
         model = workload.model
     else:
         model = workload.model.to(device)
-    sync = make_sync(model, cfg, device, role.precision if role else None, buckets)
+    link = (
+        EmulatedLink(cfg.link.bandwidth_bytes_s, cfg.link.latency_s, emu.dilation, overlapped=not emu.padded)
+        if emu and cfg.link
+        else None
+    )
+    sync = make_sync(model, cfg, device, role.precision if role else None, buckets, link)
     # gloo's threads leave the device's slice (they are its host's). A thread is named only once it runs, so
     # those of the groups just made may not show yet: again after the first step.
     free_comm_threads(device_slice)
@@ -143,7 +148,6 @@ def train_worker(payload: dict[str, Any]) -> None:
         monitor.restarted()
     batches = GlobalBatches(len(workload.dataset), cfg.train.global_batch, cfg.train.seed)
     progress = payload.get("progress")
-    link = cfg.link
 
     rebalancer = (
         None
@@ -183,15 +187,13 @@ def train_worker(payload: dict[str, Any]) -> None:
         synced = sync.step(loss_sum, stop)
         if step == start_step:
             free_comm_threads(device_slice)
-        if emu and link:
-            emu.pad_comm(t1, link_wait_s(synced, t1, link, overlapped=not emu.padded))
         loss = synced.loss_total / cfg.train.global_batch
         window.add(time.perf_counter() - t0, busy, time.perf_counter() - t1, synced)
         last = step + 1 == cfg.train.steps or synced.stop
         if (step + 1) % cfg.train.report_every == 0 or (step + 1) % cfg.train.checkpoint_every == 0 or last:
             history.append((step, loss))
             save = (step + 1) % cfg.train.checkpoint_every == 0 or last
-            metrics = _metrics(step, loss, window, plan, roles, rank_types, emu, start_step, history, started)
+            metrics = _metrics(step, loss, window, plan, roles, rank_types, emu, link, start_step, history, started)
             metrics["rebalances"] = rebalances
             whole = _whole_state(model, workload, sync, roles, rank, plan) if save else None
             _report(metrics, whole, history, step, plan, save=save)
@@ -211,20 +213,6 @@ def train_worker(payload: dict[str, Any]) -> None:
         if synced.stop:
             break
     monitor.close()
-
-
-def link_wait_s(synced: Synced, t1: float, link, *, overlapped: bool) -> float:
-    """Seconds after ``t1`` (the end of the step's compute) until the named link would have delivered this step's
-    messages, one after another: each gradient chunk from its launch during the backward (``overlapped``; a
-    padded device's backward is not the modelled one, so there every chunk starts at ``t1``), the rest after."""
-    done = -math.inf
-    for launch in synced.launches:
-        start = max(done, launch.at if overlapped else t1)
-        done = start + link_seconds(launch.bytes_sent, launch.messages, link.bandwidth_bytes_s, link.latency_s)
-    rest_bytes = synced.bytes_sent - sum(x.bytes_sent for x in synced.launches)
-    rest_messages = synced.messages - sum(x.messages for x in synced.launches)
-    rest = link_seconds(rest_bytes, rest_messages, link.bandwidth_bytes_s, link.latency_s)
-    return max(done, t1) - t1 + rest
 
 
 def local_backward(
@@ -293,12 +281,14 @@ def _rebalanced(plan: Plan, roles, rank_types, reasons: list[str]) -> Plan:
     )
 
 
-def _metrics(step, loss, window: Window, plan: Plan, roles, rank_types, emu, start_step, history, started) -> dict:
+def _metrics(
+    step, loss, window: Window, plan: Plan, roles, rank_types, emu, link, start_step, history, started
+) -> dict:
     """Per-device figures gathered on every rank (one small collective per report)."""
     mine = {
         **window.summary(),
         "overrun_steps": emu.overrun_steps if emu else 0,
-        "comm_overruns": emu.comm_overruns if emu else 0,
+        "comm_overruns": link.overruns if link else 0,
     }
     everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine)

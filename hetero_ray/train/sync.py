@@ -16,14 +16,14 @@ import torch.distributed as dist
 
 from hetero_ray.config import ConfigError, RunConfig
 from hetero_ray.plan.cost import onebit_allreduce_bytes, ring_allreduce_bytes
-from hetero_ray.train.buckets import WIRE_DTYPES, Bucket, GradBuckets, Launch
+from hetero_ray.train.buckets import WIRE_DTYPES, Bucket, EmulatedLink, GradBuckets, Launch
 from hetero_ray.train.precision import needs_loss_scaling
 
 
 @dataclass(frozen=True)
 class Synced:
     """What one synchronisation returns: the summed loss, the stop vote, bytes this rank sent; ``launches``: the
-    gradient all-reduces that started during the backward (``buckets.Launch``), the rest counted from the step."""
+    gradient buckets' all-reduces (``buckets.Launch``)."""
 
     loss_total: float
     stop: bool
@@ -56,14 +56,19 @@ class TorchAdam:
         device: torch.device,
         precision: str | None,
         buckets: list[Bucket] | None = None,
+        link: EmulatedLink | None = None,
     ):
         buckets = buckets if buckets is not None else [Bucket(None, dist.get_world_size(), list(model.parameters()))]
         self.params = [p for b in buckets for p in b.params]
         position = {id(p): i for i, p in enumerate(model.parameters())}
         self.index = [position[id(p)] for p in self.params]
         self.grads = GradBuckets(
-            buckets, wire=WIRE_DTYPES[cfg.train.reduce_dtype], bucket_bytes=int(cfg.train.bucket_mb * 2**20)
+            buckets,
+            wire=WIRE_DTYPES[cfg.train.reduce_dtype],
+            bucket_bytes=int(cfg.train.bucket_mb * 2**20),
+            link=link,
         )
+        self.link = link
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.train.lr, betas=cfg.optimizer.betas, weight_decay=cfg.train.weight_decay
         )
@@ -86,7 +91,11 @@ class TorchAdam:
         finite, launches = self.grads.finish()
         world = dist.get_world_size()
         votes = torch.tensor([loss_sum, float(stop), float(not finite)], device=self.device)
+        voted = time.perf_counter()
         dist.all_reduce(votes)
+        vote_bytes, vote_rounds = ring_allreduce_bytes(4 * votes.numel(), world), 2 * (world - 1)
+        if self.link:
+            self.link.hold(voted + self.link.seconds(vote_bytes, vote_rounds), voted)
         if votes[2] == 0:
             self.optimizer.step()
         if self.scaler:
@@ -95,8 +104,8 @@ class TorchAdam:
         return Synced(
             loss_total=float(votes[0]),
             stop=bool(votes[1] > 0),
-            bytes_sent=sum(x.bytes_sent for x in launches) + ring_allreduce_bytes(4 * votes.numel(), world),
-            messages=sum(x.messages for x in launches) + 2 * (world - 1),
+            bytes_sent=sum(x.bytes_sent for x in launches) + vote_bytes,
+            messages=sum(x.messages for x in launches) + vote_rounds,
             compressed=False,
             launches=tuple(launches),
         )
@@ -191,7 +200,14 @@ class DeepSpeedOnebit:
 
     loss_weight = 1.0
 
-    def __init__(self, model: torch.nn.Module, cfg: RunConfig, device: torch.device, bucket: Bucket | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: RunConfig,
+        device: torch.device,
+        bucket: Bucket | None = None,
+        link: EmulatedLink | None = None,
+    ):
         from hetero_ray.train.onebit import (
             FlatParameters,
             data_parallel_mpu,
@@ -200,6 +216,7 @@ class DeepSpeedOnebit:
         )
 
         self.device = device
+        self.link = link
         self.world = dist.get_world_size()
         params = bucket.params if bucket is not None else list(model.parameters())
         self.group_size = bucket.size if bucket is not None else self.world
@@ -264,6 +281,8 @@ class DeepSpeedOnebit:
             # DeepSpeed's NCCL backend: tensor by tensor, four collectives each.
             sent = sum(onebit_allreduce_bytes(n, group) for n in self.numels)
             rounds = 4 * len(self.numels) * (group - 1)
+        if self.link:
+            self.link.hold(t0 + self.link.seconds(sent + vote_bytes, rounds + vote_rounds), t0)
         return Synced(
             loss_total=float(votes[0]),
             stop=bool(votes[1] > 0),
@@ -358,9 +377,11 @@ def make_sync(
     device: torch.device,
     precision: str | None,
     buckets: list[Bucket] | None = None,
+    link: EmulatedLink | None = None,
 ):
-    """The synchroniser the config asks for; ``buckets`` when this rank holds part of the model."""
+    """The synchroniser the config asks for; ``buckets`` when this rank holds part of the model; ``link``: the
+    emulated link its messages are held to."""
     if cfg.optimizer.name == "adam":
-        return TorchAdam(model, cfg, device, precision, buckets)
+        return TorchAdam(model, cfg, device, precision, buckets, link)
     bucket = onebit_bucket(buckets, cfg.optimizer.name) if buckets is not None else None
-    return DeepSpeedOnebit(model, cfg, device, bucket)
+    return DeepSpeedOnebit(model, cfg, device, bucket, link)
