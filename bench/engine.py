@@ -10,9 +10,9 @@ hook that waits as hetero-ray's link emulation does). Runs alternate between the
   so that communication is about half of an unoverlapped step (target ≤ 1.02);
 - ``overlap_fraction`` (both): the share of the link's time hidden behind the backward,
   1 − (step − the step without any synchronisation) ÷ the link's time (target ≥ 0.5 where DDP reaches it);
-- ``grad_memory_over_ddp``: bytes held for gradients and buckets during a step ÷ DDP's: hetero-ray's
-  bucket storage plus its largest wire copies in flight; DDP's bucket storage, which its gradients are
-  views of (``gradient_as_bucket_view``; target ≤ 1.05);
+- ``grad_memory_over_ddp``: bytes held for gradients and buckets during a step ÷ DDP's, both in fp32 on
+  the wire (each bucket reduced in place, no copies): hetero-ray's bucket storage; DDP's bucket storage,
+  which its gradients are views of (``gradient_as_bucket_view``; target ≤ 1.05);
 - ``hetero_over_ddp``: samples/s on all six devices over a fast link, hetero-ray with the split by the
   speeds each device measured alone in this run ÷ DDP with an equal split (target ≥ 1.35, bound 1.5);
 - ``bf16_wire_bytes_ratio``: gradient bytes sent with ``reduce_dtype: bf16`` ÷ fp32 (0.5).
@@ -128,8 +128,6 @@ def actor_class():
             held = 0
             if engine == "hetero_ray":
                 held = sum(c.flat.nbytes for c in sync.grads.chunks)
-                if wire != "fp32":
-                    held += max(c.flat.numel() for c in sync.grads.chunks) * 2
             elif engine == "ddp":
                 held = sum(
                     {
@@ -149,11 +147,12 @@ def actor_class():
 
 
 def padded_hook_state(link, world: int) -> dict:
-    return {"link": link, "world": world, "free": -1.0}
+    return {"link": link, "world": world}
 
 
 def padded_allreduce(state: dict, bucket):
-    """DDP's allreduce hook (average), each bucket held until the emulated link would have delivered it."""
+    """DDP's allreduce hook (average), each bucket held until the emulated link would have delivered it: the
+    same ``EmulatedLink`` that holds hetero-ray's buckets."""
     import torch.distributed as dist
 
     from hetero_ray.plan.cost import ring_allreduce_bytes
@@ -161,17 +160,11 @@ def padded_allreduce(state: dict, bucket):
     started = time.perf_counter()
     tensor = bucket.buffer().div_(state["world"])
     future = dist.all_reduce(tensor, async_op=True).get_future()
-    link = state["link"]
+    link, world = state["link"], state["world"]
 
     def delivered(fut):
         if link is not None:
-            begin = max(started, state["free"])
-            state["free"] = begin + link.seconds(
-                ring_allreduce_bytes(tensor.nbytes, state["world"]), 2 * (state["world"] - 1)
-            )
-            remaining = state["free"] - time.perf_counter()
-            if remaining > 0:
-                time.sleep(remaining)
+            link.hold(link.send(started, ring_allreduce_bytes(tensor.nbytes, world), 2 * (world - 1)), started)
         return fut.value()[0]
 
     return future.then(delivered)

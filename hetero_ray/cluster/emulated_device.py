@@ -31,7 +31,7 @@ class EmulatedOOM(torch.OutOfMemoryError):
     """The emulated device's memory cap was exceeded (caught like a CUDA OOM)."""
 
 
-def _sleep_until(target: float) -> bool:
+def sleep_until(target: float) -> bool:
     """Sleep until ``time.perf_counter()`` reaches ``target``; False if it already had."""
     remaining = target - time.perf_counter()
     if remaining > 0:
@@ -77,7 +77,7 @@ class EmulatedDevice:
         if not self.padded:
             return time.perf_counter() - started
         modelled = self.modelled_seconds(samples)
-        if not _sleep_until(started + modelled):
+        if not sleep_until(started + modelled):
             self.overrun_steps += 1
         return modelled
 
@@ -195,7 +195,7 @@ class PaddedModule(torch.nn.Module):
             self.busy_s += time.perf_counter() - started
             return
         modelled = self.emu.modelled_seconds(self.micro_batch) * share
-        if not _sleep_until(started + modelled):
+        if not sleep_until(started + modelled):
             self.emu.overrun_steps += 1
         self.busy_s += modelled
 

@@ -188,7 +188,15 @@ def comm_seconds(
     inter = topology.inter({t for g in groups for t in g.split.stage_types})
     return max(
         group_comm_seconds(
-            g, topology, pipelines, nodes, inter, compressed=compressed, layers=layers, tensors=tensors, wire=wire_bytes
+            g,
+            topology,
+            pipelines,
+            nodes,
+            inter,
+            compressed=compressed,
+            layers=layers,
+            tensors=tensors,
+            wire_bytes=wire_bytes,
         )
         for g in groups
     )
@@ -209,7 +217,7 @@ def group_comm_seconds(
             seconds = allreduce_seconds(numels, pipelines, *link, compressed=True)
         else:
             local = pipelines if nodes == 1 else g.local[s]
-            payload = kw["wire"] * g.split.stage_params[s]
+            payload = kw["wire_bytes"] * g.split.stage_params[s]
             seconds = hierarchical_allreduce_seconds(payload, local=local, nodes=nodes, intra=intra, inter=inter)
         worst = max(worst, seconds)
     return worst

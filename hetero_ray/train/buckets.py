@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hetero_ray.cluster.emulated_device import sleep_until
 from hetero_ray.plan.cost import link_seconds, ring_allreduce_bytes
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
@@ -55,18 +56,19 @@ class EmulatedLink:
     dilation: float = 1.0
     overlapped: bool = True
     overruns: int = 0
+    _free: float = field(default=-math.inf, init=False, repr=False)  # when all sent so far is delivered
 
-    def seconds(self, bytes_sent: float, messages: int) -> float:
-        """Modelled wall time of ``bytes_sent`` in ``messages`` rounds."""
-        return self.dilation * link_seconds(bytes_sent, messages, self.bandwidth_bytes_s, self.latency_s)
+    def send(self, start: float, bytes_sent: float, messages: int) -> float:
+        """When (``time.perf_counter``) a message sent at ``start`` is delivered: one message after another, each
+        taking bytes ÷ bandwidth + latency per round, × dilation."""
+        seconds = link_seconds(bytes_sent, messages, self.bandwidth_bytes_s, self.latency_s)
+        self._free = max(self._free, start) + self.dilation * seconds
+        return self._free
 
     def hold(self, until: float, since: float) -> None:
         """Sleep until ``until`` (``time.perf_counter``); past it already, count an overrun unless the messages
         were due before ``since``, when the wait for them began (hidden behind compute)."""
-        remaining = until - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
-        elif until > since:
+        if not sleep_until(until) and until > since:
             self.overruns += 1
 
 
@@ -173,21 +175,15 @@ class GradBuckets:
             c.work, c.wire, c.launched_at = None, None, None
         self._next, self._armed = 0, False
         if self.link is not None and launches:
-            delivered = -math.inf
-            for x in launches:
-                begin = max(delivered, x.at if self.link.overlapped else waiting)
-                delivered = begin + self.link.seconds(x.bytes_sent, x.messages)
-            self.link.hold(delivered, waiting)
+            start = (lambda x: x.at) if self.link.overlapped else (lambda x: waiting)
+            delivered = [self.link.send(start(x), x.bytes_sent, x.messages) for x in launches]
+            self.link.hold(delivered[-1], waiting)
         return finite, launches
 
     def zero(self) -> None:
         """Zero every gradient in place (the views stay: ``optimizer.zero_grad`` would drop them)."""
         for c in self.chunks:
             c.flat.zero_()
-
-    @property
-    def numel(self) -> int:
-        return sum(c.flat.numel() for c in self.chunks)
 
 
 def _nbytes(params: Sequence[torch.nn.Parameter]) -> int:

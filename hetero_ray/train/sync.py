@@ -95,7 +95,7 @@ class TorchAdam:
         dist.all_reduce(votes)
         vote_bytes, vote_rounds = ring_allreduce_bytes(4 * votes.numel(), world), 2 * (world - 1)
         if self.link:
-            self.link.hold(voted + self.link.seconds(vote_bytes, vote_rounds), voted)
+            self.link.hold(self.link.send(voted, vote_bytes, vote_rounds), voted)
         if votes[2] == 0:
             self.optimizer.step()
         if self.scaler:
@@ -282,7 +282,7 @@ class DeepSpeedOnebit:
             sent = sum(onebit_allreduce_bytes(n, group) for n in self.numels)
             rounds = 4 * len(self.numels) * (group - 1)
         if self.link:
-            self.link.hold(t0 + self.link.seconds(sent + vote_bytes, rounds + vote_rounds), t0)
+            self.link.hold(self.link.send(t0, sent + vote_bytes, rounds + vote_rounds), t0)
         return Synced(
             loss_total=float(votes[0]),
             stop=bool(votes[1] > 0),
