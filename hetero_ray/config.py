@@ -81,6 +81,11 @@ class EmulationConfig(_Strict):
     events: list[DeviceEvent] = Field(
         default_factory=list, description="Devices that throttle or lose memory mid-run (to test rebalancing)."
     )
+    autocast: bool = Field(
+        False,
+        description="Emulated devices compute in their plan's precision (CPU autocast; fp16 with a loss scaler) "
+        "instead of fp32. Off by default: CPU half precision is slower than fp32, not faster as on a GPU.",
+    )
 
     @field_validator("dilation")
     @classmethod

@@ -42,7 +42,7 @@ from hetero_ray.perf.footprint import saved_activation_bytes
 from hetero_ray.perf.history import CPU, CUDA_MEMORY, HOST_MEMORY, Measurement, options_hash, options_json
 from hetero_ray.plan.cost import activation_scale
 from hetero_ray.suggest import did_you_mean
-from hetero_ray.train.precision import autocast
+from hetero_ray.train.precision import autocast, compute_precision
 from hetero_ray.workloads import Workload
 
 # Shortest timed run of steps per repeat on a throttled device: fifty of its 10 ms CFS periods.
@@ -137,7 +137,8 @@ class Target:
 
 
 def _step(workload: Workload, model: torch.nn.Module, optimizer, batch, precision: str, device) -> None:
-    with autocast(precision, device):
+    # An emulated device computes in fp32, as it trains by default (``emulation.autocast`` off).
+    with autocast(compute_precision(precision, device, cpu_autocast=False), device):
         loss = workload.loss_fn(model, batch)
     loss.backward()
     optimizer.step()
@@ -222,7 +223,7 @@ def _unsupported(precision: str, target: Target) -> str | None:
         have = target.emulated.spec.peak_tflops
         return None if precision in have else f"{target.gpu_type} has no {precision} peak (has {', '.join(have)})"
     if target.device.type == "cpu" and precision != "fp32":
-        # The runtime trains CPU devices in fp32 (autocast is CUDA-only); a half-precision CPU row would be fp32.
+        # A CPU computes in fp32 (see compute_precision); a half-precision CPU row would be an fp32 one.
         return "a CPU profiles in fp32 only"
     return None
 

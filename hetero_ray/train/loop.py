@@ -37,7 +37,7 @@ from hetero_ray.train.checkpoint import restore_dir, write_checkpoint
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.device import enter_device, torch_device, worker_gpu_type
 from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group, sequence
-from hetero_ray.train.precision import autocast
+from hetero_ray.train.precision import autocast, compute_precision
 from hetero_ray.train.prepare import plan_for
 from hetero_ray.train.rebalance import Rebalancer, halve
 from hetero_ray.train.sync import Synced, make_sync
@@ -112,6 +112,9 @@ def train_worker(payload: dict[str, Any]) -> None:
         if emulated and role
         else None
     )
+    precision = (
+        compute_precision(role.precision, device, bool(cfg.emulation and cfg.emulation.autocast)) if role else None
+    )
     stage, buckets = None, None
     if plan.is_pipelined:
         group, ranks = pipeline_group(roles, rank)
@@ -121,7 +124,9 @@ def train_worker(payload: dict[str, Any]) -> None:
             layers[i].to(device)
         if len(ranks) > 1:
             link = (cfg.link.bandwidth_bytes_s, cfg.link.latency_s) if cfg.link else None
-            stage = Stage(workload, role, group, ranks, cfg.train.global_batch, device, emu, plan.schedule, link)
+            stage = Stage(
+                workload, role, group, ranks, cfg.train.global_batch, device, emu, plan.schedule, link, precision
+            )
         model = workload.model
     else:
         model = workload.model.to(device)
@@ -130,7 +135,7 @@ def train_worker(payload: dict[str, Any]) -> None:
         if emu and cfg.link
         else None
     )
-    sync = make_sync(model, cfg, device, role.precision if role else None, buckets, link)
+    sync = make_sync(model, cfg, device, precision, buckets, link)
     # gloo's threads leave the device's slice (they are its host's). A thread is named only once it runs, so
     # those of the groups just made may not show yet: again after the first step.
     free_comm_threads(device_slice)
@@ -179,7 +184,16 @@ def train_worker(payload: dict[str, Any]) -> None:
             busy = busy if emu else time.perf_counter() - t0
         else:
             loss_sum, fitted = local_backward(
-                model, workload, batches.indices(step), role, cfg.train.global_batch, device, emu, footprint, sync
+                model,
+                workload,
+                batches.indices(step),
+                role,
+                cfg.train.global_batch,
+                device,
+                emu,
+                footprint,
+                sync,
+                precision,
             )
             busy = emu.pad(t0, role.local_batch) if emu and role else time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -216,10 +230,10 @@ def train_worker(payload: dict[str, Any]) -> None:
 
 
 def local_backward(
-    model, workload, indices, role: WorkerRole | None, global_batch, device, emu, footprint, sync
+    model, workload, indices, role: WorkerRole | None, global_batch, device, emu, footprint, sync, precision
 ) -> tuple[float, int | None]:
-    """Accumulate this worker's share of the full-batch mean gradient; return its summed loss and, after an
-    out-of-memory, the micro-batch size that then fitted (else ``None``).
+    """Accumulate this worker's share of the full-batch mean gradient, computing in ``precision``; return its
+    summed loss and, after an out-of-memory, the micro-batch size that then fitted (else ``None``).
 
     A micro-batch whose forward runs out of memory is retried in halves, so the step
     keeps all its samples; nothing of the failed forward reached the gradients. An
@@ -234,7 +248,7 @@ def local_backward(
         batch = tree_map(lambda t: t.to(device), collate(workload.dataset, indices[start : start + size]))
         try:
             with emu.memory_cap(model, footprint.static_bytes) if emu else nullcontext():
-                with autocast(role.precision, device):
+                with autocast(precision, device):
                     loss = _forward(model, workload, batch, role.activation_checkpointing)
         except torch.OutOfMemoryError:
             half = halve(size)

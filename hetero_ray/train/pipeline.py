@@ -106,11 +106,12 @@ class Stage:
         emu: EmulatedDevice | None,
         schedule: str = "gpipe",
         link: tuple[float, float] | None = None,
+        precision: str = "fp32",
     ):
         layered = workload.layered
         layers = list(layered.layers(workload.model))
         first, last = role.layers
-        self.role, self.workload, self.device, self.emu = role, workload, device, emu
+        self.role, self.workload, self.device, self.emu, self.precision = role, workload, device, emu, precision
         self.is_first, self.is_last = first == 0, last == len(layers)
         self.module = nn.Sequential(*layers[first:last])
         runnable = sequence(layers[first:last], checkpointing=role.activation_checkpointing)
@@ -150,7 +151,7 @@ class Stage:
         if self.padded:
             self.padded.busy_s = 0.0
         sync.arm(self.n_micro)
-        with memory_cap or nullcontext(), autocast(role.precision, self.device):
+        with memory_cap or nullcontext(), autocast(self.precision, self.device):
             self.schedule.step(*args, **kwargs)
         loss_sum = sum(float(x.detach()) for x in losses) * self.global_batch
         return loss_sum, self.padded.busy_s if self.padded else 0.0

@@ -23,13 +23,22 @@ def choose_precision(spec: GpuSpec, requested: str) -> str:
     return "fp32"
 
 
+def compute_precision(precision: str, device: torch.device, cpu_autocast: bool) -> str:
+    """The precision a device computes its role's ``precision`` in: on a GPU its own; on an emulated (CPU)
+    device fp32 unless ``cpu_autocast`` (``emulation.autocast``), because CPU half precision is slower than
+    fp32 (bf16 1.6x, fp16 10x on the project's machine), not faster as on a GPU, and would turn the emulated
+    speeds upside down."""
+    return precision if device.type != "cpu" or cpu_autocast else "fp32"
+
+
 def autocast(precision: str, device: torch.device) -> AbstractContextManager:
-    """Autocast for a half precision on CUDA; on CPU (emulated devices) everything stays fp32."""
-    if device.type == "cuda" and precision in DTYPES:
-        return torch.autocast("cuda", dtype=DTYPES[precision])
+    """Autocast to a half ``precision`` on ``device``'s type (CPU autocast takes bf16 and fp16 as CUDA's
+    does); fp32 and tf32 run as they are."""
+    if precision in DTYPES:
+        return torch.autocast(device.type, dtype=DTYPES[precision])
     return nullcontext()
 
 
-def needs_loss_scaling(precision: str, device: torch.device) -> bool:
-    """fp16 gradients underflow without loss scaling; bf16 has fp32's range."""
-    return device.type == "cuda" and precision == "fp16"
+def loss_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """A dynamic loss scaler for fp16, whose gradients underflow without one; bf16 has fp32's range."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None

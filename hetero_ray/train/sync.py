@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hetero_ray.config import ConfigError, RunConfig
 from hetero_ray.plan.cost import onebit_allreduce_bytes, ring_allreduce_bytes
 from hetero_ray.train.buckets import WIRE_DTYPES, Bucket, EmulatedLink, GradBuckets, Launch
-from hetero_ray.train.precision import needs_loss_scaling
+from hetero_ray.train.precision import loss_scaler
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class TorchAdam:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.train.lr, betas=cfg.optimizer.betas, weight_decay=cfg.train.weight_decay
         )
-        self.scaler = torch.amp.GradScaler("cuda") if precision and needs_loss_scaling(precision, device) else None
+        self.scaler = loss_scaler(precision, device) if precision else None
         self.device = device
 
     def arm(self, passes: int = 1) -> None:
