@@ -109,11 +109,11 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def single_process_reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
+def single_process_reference(steps: int = STEPS, workload: dict = WORKLOAD) -> dict[str, torch.Tensor]:
     """One process, full global batch every step: what every split, plan and recovery must reproduce."""
     cfg = run_config(Path("/unused"), "reference")["train"]
     torch.manual_seed(cfg["seed"])
-    workload = build_workload(WORKLOAD["name"], WORKLOAD["options"])
+    workload = build_workload(workload["name"], workload["options"])
     opt = torch.optim.AdamW(workload.model.parameters(), lr=cfg["lr"], weight_decay=0.0)
     batches = GlobalBatches(len(workload.dataset), cfg["global_batch"], cfg["seed"])
     for step in range(steps):

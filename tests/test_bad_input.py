@@ -407,6 +407,15 @@ CASES = [
     Case("reduce-dtype-unknown", TRAIN, "`train: {reduce_dtype: int8}`",
          cli(train(lambda d: config(d, train__reduce_dtype="int8"))),
          rf"{CFG}: train\.reduce_dtype: .*'fp32', 'bf16' or 'fp16'"),
+    Case("batch-norm-in-micro-batches", TRAIN, "`workload: {name: cnn}` with `train: {max_micro_batch: 1}`",
+         cli(train(lambda d: config(d, workload={"name": "cnn", "options": {}}, train__max_micro_batch=1))),
+         r"workload layer 0\.1 \(BatchNorm2d\) normalises over the whole batch, so each device must run its share "
+         r"in one forward pass, but .* run in micro-batches of 1 \(train\.max_micro_batch\); raise "
+         r"train\.max_micro_batch, lower train\.global_batch, or use GroupNorm/LayerNorm"),
+    Case("batch-norm-with-rebalancing", TRAIN, "`workload: {name: cnn}` with `train: {rebalance_every: 5}`",
+         cli(train(lambda d: config(d, workload={"name": "cnn", "options": {}}, train__rebalance_every=5))),
+         r"train\.rebalance_every: workload layer 0\.1 \(BatchNorm2d\) normalises over the whole batch, and a "
+         r"re-split may cut a device's share into micro-batches; drop rebalance_every, or use GroupNorm/LayerNorm"),
     Case("onebit-default-freeze-one-step", TRAIN, "`optimizer: {name: onebit_adam}` with `steps: 1`",
          cli(train(lambda d: config(d, optimizer={"name": "onebit_adam"}, train__steps=1))),
          rf"{CFG}: optimizer\.freeze_step: 1 \(the default.*use train\.steps >= 2"),

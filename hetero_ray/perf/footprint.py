@@ -51,6 +51,8 @@ class Footprint:
     param_numels: tuple[int, ...] = ()
     # Empty when the workload cannot be cut into pipeline stages.
     layers: tuple[LayerCost, ...] = ()
+    # Layers whose forward mixes the samples of a batch, as "name (Class)": BatchNorm's statistics.
+    batch_coupled: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict) -> Footprint:
@@ -60,6 +62,7 @@ class Footprint:
                 **data,
                 "param_numels": tuple(data.get("param_numels", ())),
                 "layers": tuple(LayerCost(**c) for c in data.get("layers", ())),
+                "batch_coupled": tuple(data.get("batch_coupled", ())),
             }
         )
 
@@ -164,6 +167,17 @@ def measure_footprint(factory: Callable[[], Workload], probe_batch: int = 4) -> 
         flops_per_sample=workload.flops_per_sample or flops / probe_batch,
         activation_bytes_per_sample=act_bytes / probe_batch,
         layers=layer_costs(workload, batch, probe_batch) if workload.layered else (),
+        batch_coupled=batch_coupled_layers(workload.model),
+    )
+
+
+def batch_coupled_layers(model: torch.nn.Module) -> tuple[str, ...]:
+    """The layers whose training forward normalises over the batch (every kind of BatchNorm), as
+    ``"name (Class)"``: under a data-parallel split each device would see only its own samples."""
+    return tuple(
+        f"{name} ({type(m).__name__})"
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
     )
 
 

@@ -32,6 +32,7 @@ from hetero_ray.monitor.worker import WorkerMonitor
 from hetero_ray.perf.footprint import STATIC_BYTES_PER_PARAM, Footprint
 from hetero_ray.plan.cost import RECOMPUTE_FACTOR, max_micro_batch
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
+from hetero_ray.train.batch_norm import share_batch_norm
 from hetero_ray.train.buckets import EmulatedLink
 from hetero_ray.train.checkpoint import restore_dir, write_checkpoint
 from hetero_ray.train.data import GlobalBatches, collate
@@ -130,6 +131,12 @@ def train_worker(payload: dict[str, Any]) -> None:
         model = workload.model
     else:
         model = workload.model.to(device)
+    if footprint.batch_coupled:
+        # Every rank makes the group (new_group's rule); the ranks with samples normalise over it.
+        holders = [r for r, x in enumerate(roles) if x is not None]
+        group = dist.new_group(holders)
+        if role is not None and len(holders) > 1:
+            share_batch_norm(model, group)
     link = (
         EmulatedLink(cfg.link.bandwidth_bytes_s, cfg.link.latency_s, emu.dilation, overlapped=not emu.padded)
         if emu and cfg.link
@@ -154,9 +161,11 @@ def train_worker(payload: dict[str, Any]) -> None:
     batches = GlobalBatches(len(workload.dataset), cfg.train.global_batch, cfg.train.seed)
     progress = payload.get("progress")
 
+    # A re-split could cut a share into micro-batches, which batch statistics cannot span (prepare refuses
+    # rebalance_every for such models; out-of-memory re-splits are off too).
     rebalancer = (
         None
-        if plan.is_pipelined
+        if plan.is_pipelined or footprint.batch_coupled
         else Rebalancer(
             roles,
             [max_micro_batch(catalog.get(t), r.precision, footprint) if r else 0 for t, r in zip(rank_types, roles)],
@@ -237,7 +246,8 @@ def local_backward(
 
     A micro-batch whose forward runs out of memory is retried in halves, so the step
     keeps all its samples; nothing of the failed forward reached the gradients. An
-    out-of-memory in the backward would leave a partial gradient: it propagates.
+    out-of-memory in the backward would leave a partial gradient: it propagates, as
+    one in a model whose batch statistics the other ranks share (halves would not span the share).
     """
     if role is None:
         return 0.0, None
@@ -252,7 +262,7 @@ def local_backward(
                     loss = _forward(model, workload, batch, role.activation_checkpointing)
         except torch.OutOfMemoryError:
             half = halve(size)
-            if not half:
+            if not half or (footprint and footprint.batch_coupled):
                 raise
             if device.type == "cuda":
                 torch.cuda.empty_cache()

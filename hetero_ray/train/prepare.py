@@ -132,11 +132,11 @@ def plan_for(
             seconds_per_sample=profiled_speeds(cfg, catalog),
             reduce_dtype=cfg.train.reduce_dtype,
             top_k=1,
-            **({"max_stages": 1} if cfg.optimizer.name in ONEBIT_OPTIMIZERS else {}),
+            **({"max_stages": 1} if cfg.optimizer.name in ONEBIT_OPTIMIZERS or footprint.batch_coupled else {}),
         )
         if isinstance(plans, Infeasible):
             raise PlanError(plans.reason)
-        return plans[0]
+        return check_batch_coupling(plans[0], footprint, cfg)
     link = cfg.link
     plan = plan_data_parallel(
         types,
@@ -154,6 +154,32 @@ def plan_for(
     )
     if isinstance(plan, Infeasible):
         raise PlanError(plan.reason)
+    return check_batch_coupling(plan, footprint, cfg)
+
+
+def check_batch_coupling(plan: Plan, footprint: Footprint, cfg: RunConfig) -> Plan:
+    """``plan``, unless the workload normalises over the batch (BatchNorm) and the plan would let a device see
+    less than its whole share at once: ``train/batch_norm.py`` shares statistics across devices exactly, but
+    not across one device's micro-batches, pipeline stages or a re-split mid-run."""
+    if not footprint.batch_coupled:
+        return plan
+    layer = f"workload layer {footprint.batch_coupled[0]} normalises over the whole batch"
+    if cfg.train.rebalance_every is not None:
+        raise ConfigError(
+            f"train.rebalance_every: {layer}, and a re-split may cut a device's share into micro-batches; "
+            "drop rebalance_every, or use GroupNorm/LayerNorm"
+        )
+    if plan.is_pipelined:
+        raise PlanError(f"{layer}, which pipeline stages cannot share; use data parallelism, or GroupNorm/LayerNorm")
+    split = next((r for r in plan.roles if r.micro_batch < r.local_batch), None)
+    if split is not None:
+        capped = cfg.train.max_micro_batch is not None and split.micro_batch == cfg.train.max_micro_batch
+        raise PlanError(
+            f"{layer}, so each device must run its share in one forward pass, but {split.gpu_type}'s "
+            f"{split.local_batch} samples run in micro-batches of {split.micro_batch} "
+            f"({'train.max_micro_batch' if capped else 'its memory'}); "
+            f"{'raise train.max_micro_batch, ' if capped else ''}lower train.global_batch, or use GroupNorm/LayerNorm"
+        )
     return plan
 
 
@@ -175,7 +201,7 @@ def given_plan(path: str, cfg: RunConfig, catalog: Catalog, footprint: Footprint
         raise PlanError(
             f"{path}: the plan has pipeline stages but workload {cfg.workload.name!r} cannot be cut into layers"
         )
-    return plan
+    return check_batch_coupling(plan, footprint, cfg)
 
 
 def check_storage(storage_path: str) -> None:

@@ -55,7 +55,7 @@ class WorkloadError(ValueError):
     """A workload name that does not resolve, or a factory that returns the wrong thing."""
 
 
-BUILTIN = {"gpt": "hetero_ray.workloads.gpt:build"}
+BUILTIN = {"gpt": "hetero_ray.workloads.gpt:build", "cnn": "hetero_ray.workloads.cnn:build"}
 
 
 def _keywords(factory: Callable[..., Any]) -> list[str]:
