@@ -15,7 +15,7 @@ from hetero_ray.config import parse_config
 from hetero_ray.plan.plan import WorkerRole
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.loop import local_backward
-from hetero_ray.train.precision import autocast
+from hetero_ray.train.precision import autocast, compute_precision
 from hetero_ray.train.sync import TorchAdam
 from hetero_ray.workloads import build_workload
 
@@ -138,3 +138,13 @@ def test_a_bf16_split_sums_the_gradient_one_bf16_process_computes(tmp_path):
     bf16, fp32 = one_process("bf16", 1)["first_grads"], one_process("fp32", 1)["first_grads"]
     assert relative_error(split[0]["first_grads"], bf16) <= TOLERANCE
     assert relative_error(bf16, fp32) <= TOLERANCE
+
+
+def test_emulated_devices_compute_in_fp32_unless_emulation_autocast():
+    """A CPU stands in for a GPU in fp32 by default (its half precision is slower, not faster); a GPU and
+    ``emulation.autocast`` keep the plan's precision."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert compute_precision("bf16", cpu, cpu_autocast=False) == "fp32"
+    assert compute_precision("fp16", cpu, cpu_autocast=True) == "fp16"
+    assert compute_precision("bf16", gpu, cpu_autocast=False) == "bf16"
+    assert parse_config({"devices": {"A100-80GB": 1}, "emulation": {"autocast": True}}).emulation.autocast
