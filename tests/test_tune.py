@@ -183,6 +183,39 @@ def test_the_search_follows_the_splits_the_trials_measured(tmp_path, speeds, sec
     assert sorted(t.value for t in restored._ot_study.trials if t.value is not None) == [400.0, 520.0, 540.0]
 
 
+def _timed(shares: dict[str, int]) -> dict:
+    """A trial's result on devices whose compute takes fixed + per-sample × share: A100s 0.1 s + 5 ms a sample,
+    V100s 0.05 s + 40 ms."""
+    line = {"A100-80GB": (0.1, 0.005), "V100-16GB": (0.05, 0.04)}
+    weight = shares["A100-80GB"] / shares["V100-16GB"]
+    return {
+        "samples_per_s": 100.0,
+        "config": {"weight:A100-80GB": weight},
+        **{f"share:{t}": n for t, n in shares.items()},
+        **{f"speed:{t}": n / (line[t][0] + line[t][1] * n) for t, n in shares.items()},
+    }
+
+
+def test_from_two_measured_splits_the_search_goes_where_every_device_finishes_together():
+    """Two trials' shares and compute times fix each type's fixed and per-sample time; the next point is the
+    split at which all four devices finish together: A100s 9.56, V100s 2.44 of a batch of 24 (0.148 s each). The
+    second trial's speeds alone would say 3.52 : 1: a fixed cost makes a split by speed undershoot."""
+    from tuning.search import MeasuredBalanceSearch
+
+    space = share_space(parse_config(config({"A100-80GB": 2, "V100-16GB": 2})), {"A100-80GB": 2.5, "V100-16GB": 1})
+    search = MeasuredBalanceSearch(space, seed=0)
+    search.set_search_properties("samples_per_s", "max", space.tune_space())
+    search.suggest("t0")
+    search.on_trial_complete("t0", _timed({"A100-80GB": 8, "V100-16GB": 4}))
+    second = search.suggest("t1")
+    assert second == {"weight:A100-80GB": pytest.approx((8 / 0.14) / (4 / 0.21))}  # one trial: by its speeds
+    search.on_trial_complete("t1", _timed({"A100-80GB": 9, "V100-16GB": 3}))
+    common = (24 + 2 * 0.1 / 0.005 + 2 * 0.05 / 0.04) / (2 / 0.005 + 2 / 0.04)
+    balanced = ((common - 0.1) / 0.005) / ((common - 0.05) / 0.04)
+    assert balanced == pytest.approx(9.556 / 2.444, rel=1e-3)
+    assert search.suggest("t2") == {"weight:A100-80GB": pytest.approx(balanced)}
+
+
 # Real Tune experiments, run by a stand-in trainable in their own process (a local Ray), read back from disk as
 # ResultGrids: "mixed" has a complete trial, one that ASHA would have stopped after one window, another complete
 # one and one that fails before its first report; "partial" only the early-stopped and the failed ones.

@@ -5,9 +5,11 @@ own compute (the figure the rebalancer splits by). The first trial runs the pred
 its measurements give a second point, the split by speed the devices really have, which a
 prediction from the catalog can miss by a factor (throttled devices at 0.48 : 0.12 of a
 core ran best at 5 : 1 where the catalog said 2.5 : 1). A device's speed changes with the
-batch it gets, so each measured point's trial gives the next one, as the rebalancer
-re-splits, until a point comes back to one already tried. Optuna's TPE then searches
-around them, told every result.
+batch it gets (a step has a fixed part as well as one per sample), so from the second
+trial on the next point is where a line ``fixed + per_sample × share`` fitted per type to
+all trials so far has every device finish together; each measured point's trial gives the
+next, until a point comes back to one already tried. Optuna's TPE then searches around
+them, told every result.
 
 Imports Ray Tune and Optuna, so it is imported only once the sweep runs.
 """
@@ -19,8 +21,8 @@ from typing import Any
 
 from ray.tune.search.optuna import OptunaSearch
 
-from tuning.space import WEIGHT_PREFIX, ShareSpace
-from tuning.trial import SPEED_PREFIX
+from tuning.space import WEIGHT_PREFIX, Measured, ShareSpace
+from tuning.trial import SHARE_PREFIX, SPEED_PREFIX
 
 # A measured point whose every weight is within this of the prediction's is the prediction again (padded
 # devices run at the catalog's speeds): TPE's next point is worth more than a repeat.
@@ -42,6 +44,7 @@ class MeasuredBalanceSearch(OptunaSearch):
         self._next: dict | None = None  # the measured point to suggest next, once known
         self._ours: dict[str, dict] = {}  # trial id → the measured point it runs
         self._tried: list[dict] = []  # every point suggested so far
+        self._measured: list[Measured] = []  # every completed trial's shares and speeds
         self._seeded = False
 
     def suggest(self, trial_id: str) -> dict | None:
@@ -65,12 +68,19 @@ class MeasuredBalanceSearch(OptunaSearch):
             self.add_evaluated_point(ours, value if value is not None else 0.0, error=error or value is None)
         else:
             super().on_trial_complete(trial_id, result, error)
+        if error or not result:
+            return
+        self._measured.append(
+            Measured(
+                shares={k.removeprefix(SHARE_PREFIX): v for k, v in result.items() if k.startswith(SHARE_PREFIX)},
+                speeds={k.removeprefix(SPEED_PREFIX): v for k, v in result.items() if k.startswith(SPEED_PREFIX)},
+            )
+        )
         # The chain: the prediction's trial, then each measured point's own.
-        if error or not result or (ours is None and self._seeded):
+        if ours is None and self._seeded:
             return
         self._seeded = True
-        speeds = {k.removeprefix(SPEED_PREFIX): v for k, v in result.items() if k.startswith(SPEED_PREFIX)}
-        point = self._share_space.measured_point(speeds, like=result.get("config", {}))
+        point = self._share_space.balanced_point(self._measured, like=result.get("config", {}))
         if point and not any(self._same(point, tried) for tried in self._tried):
             self._next = point
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hetero_ray.config import RunConfig
 from hetero_ray.perf.model import PerfModel
@@ -29,6 +29,8 @@ class ShareSpace:
     predicted: Mapping[str, float]
     bounds: Mapping[str, tuple[float, float]]
     micro_batch_caps: tuple[int, ...] = ()
+    devices: Mapping[str, int] = field(default_factory=dict)  # devices per type, for ``balanced_point``
+    global_batch: int = 0
 
     def tune_space(self) -> dict:
         """The Tune ``param_space``: a log-uniform weight per searched type (and a micro-batch cap choice)."""
@@ -52,9 +54,33 @@ class ShareSpace:
         positive speed for every type."""
         if not all(speeds.get(t, 0) > 0 for t in (self.reference, *self.bounds)):
             return None
+        return self._point({t: speeds[t] / speeds[self.reference] for t in self.bounds}, like)
+
+    def balanced_point(self, measured: Sequence[Measured], like: Mapping[str, object]) -> dict | None:
+        """The Tune config whose devices all finish their compute together, by each type's compute time fitted
+        as ``fixed + per_sample × share`` (least squares) over the trials ``measured``; the split by the last
+        trial's speeds (``measured_point``) while a type has no fit (one share measured, or a slope the noise
+        made non-positive), or when the balance needs a share below zero."""
+        if not measured:
+            return None
+        fits = {
+            t: _line([(m.shares[t], m.shares[t] / m.speeds[t]) for m in measured if m.has(t)]) for t in self.devices
+        }
+        if not self.global_batch or not fits or any(f is None for f in fits.values()):
+            return self.measured_point(measured[-1].speeds, like)
+        # Every type done at T: share_t = (T - fixed_t) / per_sample_t, and the shares sum to the batch.
+        inverse = sum(self.devices[t] / b for t, (_, b) in fits.items())
+        common = (self.global_batch + sum(self.devices[t] * a / b for t, (a, b) in fits.items())) / inverse
+        shares = {t: (common - a) / b for t, (a, b) in fits.items()}
+        if min(shares.values()) <= 0:
+            return self.measured_point(measured[-1].speeds, like)
+        return self._point({t: shares[t] / shares[self.reference] for t in self.bounds}, like)
+
+    def _point(self, weights: Mapping[str, float], like: Mapping[str, object]) -> dict:
+        """``like`` with each searched type's weight, held inside its bounds."""
         point = dict(like)
         for t, (lo, hi) in self.bounds.items():
-            point[f"{WEIGHT_PREFIX}{t}"] = min(hi, max(lo, speeds[t] / speeds[self.reference]))
+            point[f"{WEIGHT_PREFIX}{t}"] = min(hi, max(lo, weights[t]))
         return point
 
     def grid(self, gpu_type: str, points: int) -> list[float]:
@@ -63,6 +89,27 @@ class ShareSpace:
             raise SweepError(f"grid points: {points}; use at least 2")
         lo, hi = self.bounds[gpu_type]
         return [math.exp(math.log(lo) + i * (math.log(hi) - math.log(lo)) / (points - 1)) for i in range(points)]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One trial's local batch per device and samples/s of its own compute, by GPU type (``trial.window_result``)."""
+
+    shares: Mapping[str, int]
+    speeds: Mapping[str, float]
+
+    def has(self, gpu_type: str) -> bool:
+        return self.shares.get(gpu_type, 0) > 0 and self.speeds.get(gpu_type, 0) > 0
+
+
+def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares ``(intercept, slope)`` of ``y = a + b x``; ``None`` under two distinct x or for b <= 0."""
+    xs = [x for x, _ in points]
+    if len(set(xs)) < 2:
+        return None
+    mean_x, mean_y = sum(xs) / len(xs), sum(y for _, y in points) / len(points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x in xs)
+    return (mean_y - slope * mean_x, slope) if slope > 0 else None
 
 
 def weights_of(params: Mapping[str, object], reference: str) -> dict[str, float]:
@@ -106,4 +153,6 @@ def share_space(
         predicted=predicted,
         bounds=bounds,
         micro_batch_caps=tuple(sorted(set(micro_batch_caps))),
+        devices=dict(cfg.devices),
+        global_batch=cfg.train.global_batch,
     )

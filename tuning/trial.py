@@ -24,6 +24,7 @@ METRIC = "samples_per_s"
 # that ASHA stopped early, whose windows are partial, is never chosen.
 FINAL_METRIC = "final_samples_per_s"
 SPEED_PREFIX = "speed:"
+SHARE_PREFIX = "share:"
 # The emulated cluster labels its head so; a trial's driver must not take a GPU node's CPU.
 HEAD_LABEL = {"hetero-ray/role": "head"}
 
@@ -68,7 +69,7 @@ def window_result(metrics: Mapping[str, Any], window: int, *, final: bool) -> di
         "window": window,
         "emulated": metrics["emulated"],
         "overrun_steps": sum(d["overrun_steps"] for d in metrics["devices"]),
-        **{f"share:{t}": b for t, b in shares.items()},
+        **{f"{SHARE_PREFIX}{t}": b for t, b in shares.items()},
         # Each type's samples/s of its own compute (its devices' mean): what a split by speed would use.
         **{f"{SPEED_PREFIX}{t}": sum(v) / len(v) for t, v in speeds.items()},
         **{f"micro_batch:{d['gpu_type']}": d["micro_batch"] for d in metrics["devices"]},
