@@ -208,16 +208,22 @@ class OptimizerConfig(_Strict):
     var_update_scaler: int = Field(16, ge=1, description="zero_one_adam: variance update interval growth.")
     local_step_scaler: int = Field(32678, ge=1, description="zero_one_adam: local-step interval growth.")
     local_step_clipper: int = Field(16, ge=1, description="zero_one_adam: largest local-step interval.")
-    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage; 1-bit optimizers need 0.")
+    zero_stage: int = Field(
+        0,
+        ge=0,
+        le=3,
+        description="ZeRO stage: 1 shards Adam's state across the data-parallel devices in proportion to the "
+        "memory each has to spare; 1-bit optimizers and pipelined plans need 0.",
+    )
 
     @model_validator(mode="after")
     def _no_zero_with_onebit(self) -> OptimizerConfig:
-        if self.zero_stage > 0:
-            if self.name in ONEBIT_OPTIMIZERS:
-                raise ValueError(
-                    f"{self.name} is not compatible with ZeRO (stage {self.zero_stage}); set optimizer.zero_stage: 0"
-                )
-            raise ValueError("ZeRO stages above 0 are not supported yet; set optimizer.zero_stage: 0")
+        if self.zero_stage > 0 and self.name in ONEBIT_OPTIMIZERS:
+            raise ValueError(
+                f"{self.name} is not compatible with ZeRO (stage {self.zero_stage}); set optimizer.zero_stage: 0"
+            )
+        if self.zero_stage > 1:
+            raise ValueError(f"ZeRO stage {self.zero_stage} is not supported yet; set optimizer.zero_stage: 0 or 1")
         return self
 
     def warmup_steps(self, total_steps: int) -> int:

@@ -138,6 +138,17 @@ def pipeline_plan_dict() -> dict:
     return {"global_batch": 8, "split": "proportional", "emulated": True, "roles": roles, "predicted_compute_s": 0.3}
 
 
+def two_stage_plan() -> dict:
+    """BASE's devices as one pipeline: the A100 holds TINY_GPT's embedding and block, the V100 its head."""
+    roles = [
+        {**role, "stage": stage, "layers": layers}
+        for role, stage, layers in zip(two_device_plan()["roles"], (0, 1), ([0, 2], [2, 3]))
+    ]
+    for role in roles:
+        role.update(local_batch=4, micro_batch=2, sample_offset=0, pipeline=0)
+    return {**two_device_plan(), "roles": roles}
+
+
 def edit(data: dict, path: str, value) -> dict:
     """``data`` with the value at a dotted ``path`` (list indices as numbers) set; ``...`` deletes it."""
     data = copy.deepcopy(data)
@@ -263,13 +274,14 @@ def two_device_plan() -> dict:
     return prepare(parse_config(BASE)).plan.to_dict()
 
 
-def train_plan(make: Callable[[], dict | str]) -> Callable[[Path], list[str]]:
-    """``train`` on BASE's config with ``--plan <d>/plan.json`` holding ``make()``."""
+def train_plan(make: Callable[[], dict | str], **changes) -> Callable[[Path], list[str]]:
+    """``train`` on BASE's config (with ``changes``, as ``config`` takes them) with ``--plan <d>/plan.json``
+    holding ``make()``."""
 
     def argv(d: Path) -> list[str]:
         data = make()
         (d / "plan.json").write_text(data if isinstance(data, str) else json.dumps(data))
-        return [*train(lambda d: config(d))(d), "--plan", str(d / "plan.json")]
+        return [*train(lambda d: config(d, **changes))(d), "--plan", str(d / "plan.json")]
 
     return argv
 
@@ -365,6 +377,9 @@ CASES = [
     Case("onebit-with-zero", TRAIN, "`optimizer: {name: onebit_adam, zero_stage: 2}`",
          cli(train(lambda d: config(d, optimizer={"name": "onebit_adam", "zero_stage": 2}))),
          rf"{CFG}: optimizer: onebit_adam is not compatible with ZeRO \(stage 2\); set optimizer\.zero_stage: 0"),
+    Case("zero-stage-not-yet", TRAIN, "`optimizer: {zero_stage: 2}`",
+         cli(train(lambda d: config(d, optimizer={"zero_stage": 2}))),
+         rf"{CFG}: optimizer: ZeRO stage 2 is not supported yet; set optimizer\.zero_stage: 0 or 1"),
     Case("unknown-optimizer", TRAIN, "`optimizer: {name: lamb}`", cli(train(lambda d: config(d, optimizer={"name": "lamb"}))),
          rf"{CFG}: optimizer\.name: .*'adam', 'onebit_adam' or 'zero_one_adam'"),
     Case("zero-link-bandwidth", TRAIN, "`link: {bandwidth_gbps: 0}`",
@@ -458,6 +473,10 @@ CASES = [
     Case("discover-missing-gpus-file", "hetero-ray discover", "`--gpus` naming no file",
          cli(lambda d: ["discover", "--gpus", str(d / "none.yaml")]), r"{dir}/none\.yaml"),
     # hetero-ray train --plan (a Plan JSON checked against the config).
+    Case("train-plan-pipelined-with-zero", TRAIN, "`--plan` with pipeline stages and `optimizer: {zero_stage: 1}`",
+         cli(train_plan(two_stage_plan, optimizer={"zero_stage": 1})),
+         r"{dir}/plan\.json: the plan has pipeline stages, which optimizer\.zero_stage 1 does not shard yet; use a "
+         r"data-parallel plan or optimizer\.zero_stage: 0"),
     Case("train-plan-malformed", TRAIN, "`--plan` file `{` (cut short)", cli(train_plan(lambda: "{")),
          r"{dir}/plan\.json: line 1, column 2: malformed JSON"),
     Case("train-plan-other-devices", TRAIN, "`--plan` for 1 × A100-80GB + 2 × V100-16GB, config 1 + 1",

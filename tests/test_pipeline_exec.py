@@ -97,9 +97,7 @@ def pipeline_rank(rank: int, world: int, roles: list[WorkerRole], schedule: str)
         if stage:
             loss_sum, _ = stage.step(indices, None, sync)
         else:
-            loss_sum, _ = local_backward(
-                model, workload, indices, roles[rank], GLOBAL_BATCH, cpu, None, None, sync, "fp32"
-            )
+            loss_sum, _ = local_backward(model, workload, indices, roles[rank], GLOBAL_BATCH, cpu, None, sync, "fp32")
         losses.append(sync.step(loss_sum, False).loss_total / GLOBAL_BATCH)
     whole = gather_whole_state(model, layers, sync, roles, rank)
     return {"losses": losses, "whole": whole}

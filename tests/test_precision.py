@@ -60,7 +60,7 @@ def train_ranks(rank: int, world: int, roles: list[WorkerRole], steps: int, pois
         poisoned[0] = step == poison_step and rank == 1
         before = [p.detach().clone() for p in workload.model.parameters()]
         loss_sum, _ = local_backward(
-            workload.model, workload, batches.indices(step), mine, GLOBAL_BATCH, cpu, None, None, sync, mine.precision
+            workload.model, workload, batches.indices(step), mine, GLOBAL_BATCH, cpu, None, sync, mine.precision
         )
         synced = sync.step(loss_sum, False)
         out["loss"].append(synced.loss_total / GLOBAL_BATCH)

@@ -132,6 +132,23 @@ def test_batch_norm_under_an_uneven_split_trains_like_one_process(cluster, tmp_p
     assert max_abs_diff(got, want) <= 1e-5
 
 
+def test_zero_stage_1_shards_the_optimizer_and_trains_like_one_process(cluster, tmp_path):
+    """ZeRO-1 on 2 fast + 2 slow workers at 2 : 1, each rank's shard of Adam's state sized by its spare memory:
+    the run ends where one process ends (1e-5), and its checkpoint holds the whole optimizer state, gathered
+    from the shards."""
+    cfg = run_config(tmp_path / "runs", "zero-1") | {"optimizer": {"zero_stage": 1}}
+    job_id, out = submit(cluster, tmp_path, cfg)
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    result = json.loads(out.read_text())
+    assert max_abs_diff(final_params(result), single_process_reference()) <= 1e-5
+    optimizer_state = torch.load(Path(result["checkpoint_path"]) / "optimizer.pt")
+    params = final_params(result)
+    assert len(optimizer_state["state"]) == len(params)
+    assert [s["exp_avg"].shape for _, s in sorted(optimizer_state["state"].items())] == [
+        p.shape for p in params.values()
+    ]
+
+
 def test_discover_cli_labels_emulated_nodes(cluster):
     """`hetero-ray discover --json` on the live cluster: every node reported, emulated GPUs said so, no crash without NVML."""
     out = subprocess.run(

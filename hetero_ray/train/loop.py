@@ -29,7 +29,7 @@ from hetero_ray.cluster.emulated_device import EmulatedDevice
 from hetero_ray.config import RunConfig
 from hetero_ray.monitor.health import HealthPolicy
 from hetero_ray.monitor.worker import WorkerMonitor
-from hetero_ray.perf.footprint import STATIC_BYTES_PER_PARAM, Footprint
+from hetero_ray.perf.footprint import OPTIMIZER_STATE_BYTES_PER_PARAM, STATIC_BYTES_PER_PARAM, Footprint
 from hetero_ray.plan.cost import RECOMPUTE_FACTOR, max_micro_batch
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
 from hetero_ray.train.batch_norm import share_batch_norm
@@ -42,6 +42,7 @@ from hetero_ray.train.precision import autocast, compute_precision
 from hetero_ray.train.prepare import plan_for
 from hetero_ray.train.rebalance import Rebalancer, halve
 from hetero_ray.train.sync import Synced, make_sync
+from hetero_ray.train.zero import spare_memory
 from hetero_ray.workloads import build_workload
 
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.pt", "optimizer.pt", "state.json"
@@ -142,7 +143,11 @@ def train_worker(payload: dict[str, Any]) -> None:
         if emu and cfg.link
         else None
     )
-    sync = make_sync(model, cfg, device, precision, buckets, link)
+    sync = make_sync(model, cfg, device, precision, buckets, link, spare_memory(roles, rank_types, catalog, footprint))
+    # Weights, gradients and the optimizer state this rank holds (under ZeRO, its shard's alone).
+    static_bytes = footprint.static_bytes - OPTIMIZER_STATE_BYTES_PER_PARAM * (
+        footprint.param_count - sync.optimizer_elements
+    )
     # gloo's threads leave the device's slice (they are its host's). A thread is named only once it runs, so
     # those of the groups just made may not show yet: again after the first step.
     free_comm_threads(device_slice)
@@ -200,9 +205,10 @@ def train_worker(payload: dict[str, Any]) -> None:
                 cfg.train.global_batch,
                 device,
                 emu,
-                footprint,
                 sync,
                 precision,
+                static_bytes=static_bytes,
+                retry_in_halves=not footprint.batch_coupled,
             )
             busy = emu.pad(t0, role.local_batch) if emu and role else time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -239,15 +245,28 @@ def train_worker(payload: dict[str, Any]) -> None:
 
 
 def local_backward(
-    model, workload, indices, role: WorkerRole | None, global_batch, device, emu, footprint, sync, precision
+    model,
+    workload,
+    indices,
+    role: WorkerRole | None,
+    global_batch,
+    device,
+    emu,
+    sync,
+    precision,
+    *,
+    static_bytes: int = 0,
+    retry_in_halves: bool = True,
 ) -> tuple[float, int | None]:
     """Accumulate this worker's share of the full-batch mean gradient, computing in ``precision``; return its
     summed loss and, after an out-of-memory, the micro-batch size that then fitted (else ``None``).
+    ``static_bytes``: what the emulated device holds besides activations.
 
     A micro-batch whose forward runs out of memory is retried in halves, so the step
     keeps all its samples; nothing of the failed forward reached the gradients. An
     out-of-memory in the backward would leave a partial gradient: it propagates, as
-    one in a model whose batch statistics the other ranks share (halves would not span the share).
+    one without ``retry_in_halves`` (a model whose batch statistics the ranks share: halves would
+    not span the share).
     """
     if role is None:
         return 0.0, None
@@ -257,12 +276,12 @@ def local_backward(
         start, size = pending.pop(0)
         batch = tree_map(lambda t: t.to(device), collate(workload.dataset, indices[start : start + size]))
         try:
-            with emu.memory_cap(model, footprint.static_bytes) if emu else nullcontext():
+            with emu.memory_cap(model, static_bytes) if emu else nullcontext():
                 with autocast(precision, device):
                     loss = _forward(model, workload, batch, role.activation_checkpointing)
         except torch.OutOfMemoryError:
             half = halve(size)
-            if not half or (footprint and footprint.batch_coupled):
+            if not half or not retry_in_halves:
                 raise
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -366,7 +385,8 @@ def _whole_state(model, workload, sync, roles, rank, plan: Plan) -> tuple[dict, 
     """(model, optimizer) state of the whole model on rank 0; a pipelined plan gathers it from its stages."""
     if plan.is_pipelined:
         return gather_whole_state(model, list(workload.layered.layers(model)), sync, roles, rank)
-    return (model.state_dict(), sync.state_dict()) if rank == 0 else None
+    optimizer_state = sync.state_dict()  # on every rank: a sharded optimizer gathers its state to rank 0
+    return (model.state_dict(), optimizer_state) if rank == 0 else None
 
 
 def _report(metrics, whole: tuple[dict, dict] | None, history, step, plan: Plan, *, save: bool) -> None:

@@ -115,8 +115,8 @@ def plan_for(
 
     A proportional split goes to the placement planner, which weighs pipelines
     against data parallelism; an equal or explicit split is data parallelism with
-    that split, as asked. 1-bit optimizers stay data-parallel: they do not run on
-    pipeline stages yet.
+    that split, as asked. Runs that cannot be pipelined yet stay data-parallel
+    (``data_parallel_only``).
     """
     if cfg.train.split == "proportional" and footprint.layers:
         plans = search.plan(
@@ -132,7 +132,7 @@ def plan_for(
             seconds_per_sample=profiled_speeds(cfg, catalog),
             reduce_dtype=cfg.train.reduce_dtype,
             top_k=1,
-            **({"max_stages": 1} if cfg.optimizer.name in ONEBIT_OPTIMIZERS or footprint.batch_coupled else {}),
+            **({"max_stages": 1} if data_parallel_only(cfg, footprint) else {}),
         )
         if isinstance(plans, Infeasible):
             raise PlanError(plans.reason)
@@ -155,6 +155,12 @@ def plan_for(
     if isinstance(plan, Infeasible):
         raise PlanError(plan.reason)
     return check_batch_coupling(plan, footprint, cfg)
+
+
+def data_parallel_only(cfg: RunConfig, footprint: Footprint) -> bool:
+    """Whether the run cannot be pipelined yet: 1-bit optimizers, ZeRO and batch statistics run on data
+    parallelism only."""
+    return cfg.optimizer.name in ONEBIT_OPTIMIZERS or cfg.optimizer.zero_stage > 0 or bool(footprint.batch_coupled)
 
 
 def check_batch_coupling(plan: Plan, footprint: Footprint, cfg: RunConfig) -> Plan:
@@ -200,6 +206,11 @@ def given_plan(path: str, cfg: RunConfig, catalog: Catalog, footprint: Footprint
     if plan.is_pipelined and not footprint.layers:
         raise PlanError(
             f"{path}: the plan has pipeline stages but workload {cfg.workload.name!r} cannot be cut into layers"
+        )
+    if plan.is_pipelined and cfg.optimizer.zero_stage:
+        raise PlanError(
+            f"{path}: the plan has pipeline stages, which optimizer.zero_stage {cfg.optimizer.zero_stage} does not "
+            "shard yet; use a data-parallel plan or optimizer.zero_stage: 0"
         )
     return check_batch_coupling(plan, footprint, cfg)
 

@@ -9,6 +9,7 @@ after their warm-up. Both give the same interface to the training loop.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from hetero_ray.config import ConfigError, RunConfig
 from hetero_ray.plan.cost import onebit_allreduce_bytes, ring_allreduce_bytes
 from hetero_ray.train.buckets import WIRE_DTYPES, Bucket, EmulatedLink, GradBuckets, Launch
 from hetero_ray.train.precision import loss_scaler
+from hetero_ray.train.zero import ShardedParameters, Shards
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class TorchAdam:
         precision: str | None,
         buckets: list[Bucket] | None = None,
         link: EmulatedLink | None = None,
+        shard_weights: Sequence[float] | None = None,
     ):
         buckets = buckets if buckets is not None else [Bucket(None, dist.get_world_size(), list(model.parameters()))]
         self.params = [p for b in buckets for p in b.params]
@@ -69,11 +72,31 @@ class TorchAdam:
             link=link,
         )
         self.link = link
+        self.sharded = None
+        if cfg.optimizer.zero_stage:
+            world = dist.get_world_size()
+            chunks = [(c.params, c.flat) for c in self.grads.chunks]
+            shards = Shards.by_weight(sum(c.flat.numel() for c in self.grads.chunks), shard_weights or [1.0] * world)
+            self.sharded = ShardedParameters(chunks, shards, dist.get_rank())
+            # Positions in the flattened (chunk) order, which reverses the buckets'.
+            self.flat_index = [position[id(p)] for c in self.grads.chunks for p in c.params]
+            if not self.sharded.params:
+                raise ValueError(f"ZeRO: rank {dist.get_rank()} owns no parameters (shard weights {shard_weights})")
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.train.lr, betas=cfg.optimizer.betas, weight_decay=cfg.train.weight_decay
+            self.sharded.params if self.sharded else self.params,
+            lr=cfg.train.lr,
+            betas=cfg.optimizer.betas,
+            weight_decay=cfg.train.weight_decay,
         )
         self.scaler = loss_scaler(precision, device) if precision else None
+        # The scaler unscales every local gradient before the sum, not only the slices this rank's optimizer holds.
+        self._unscaled = torch.optim.SGD(self.params, lr=0.0) if self.scaler and self.sharded else self.optimizer
         self.device = device
+
+    @property
+    def optimizer_elements(self) -> int:
+        """Elements this rank keeps optimizer state for: its shard under ZeRO, else every parameter."""
+        return sum(p.numel() for g in self.optimizer.param_groups for p in g["params"])
 
     def arm(self, passes: int = 1) -> None:
         """The next ``passes`` backward passes end the step: their gradients go on the wire as they are ready.
@@ -87,7 +110,7 @@ class TorchAdam:
     def step(self, loss_sum: float, stop: bool) -> Synced:
         """Finish the gradient all-reduces, agree on loss, stop and finiteness, then update."""
         if self.scaler:
-            self.scaler.unscale_(self.optimizer)
+            self.scaler.unscale_(self._unscaled)
         finite, launches = self.grads.finish()
         world = dist.get_world_size()
         votes = torch.tensor([loss_sum, float(stop), float(not finite)], device=self.device)
@@ -96,22 +119,44 @@ class TorchAdam:
         vote_bytes, vote_rounds = ring_allreduce_bytes(4 * votes.numel(), world), 2 * (world - 1)
         if self.link:
             self.link.hold(self.link.send(voted, vote_bytes, vote_rounds), voted)
+        gathered = 0.0
         if votes[2] == 0:
             self.optimizer.step()
+            if self.sharded:
+                gathered = self._share_updates()
         if self.scaler:
             self.scaler.update()
         self.grads.zero()
         return Synced(
             loss_total=float(votes[0]),
             stop=bool(votes[1] > 0),
-            bytes_sent=sum(x.bytes_sent for x in launches) + vote_bytes,
-            messages=sum(x.messages for x in launches) + vote_rounds,
+            bytes_sent=sum(x.bytes_sent for x in launches) + vote_bytes + gathered,
+            messages=sum(x.messages for x in launches) + vote_rounds + (world - 1 if gathered else 0),
             compressed=False,
             launches=tuple(launches),
         )
 
-    def state_dict(self) -> dict:
-        """AdamW's state keyed by position in ``model.parameters()``."""
+    def _share_updates(self) -> float:
+        """Every owner's updated parameters to every rank, held to the link as an all-gather; bytes this rank sent
+        (a ring all-gather's: all but one rank's part of the parameters)."""
+        start = time.perf_counter()
+        self.sharded.share_updates()
+        world = dist.get_world_size()
+        sent = 4 * sum(f.numel() for f in self.sharded.flats) * (world - 1) / world
+        if self.link:
+            self.link.hold(self.link.send(start, sent, world - 1), start)
+        return sent
+
+    def state_dict(self) -> dict | None:
+        """AdamW's state keyed by position in ``model.parameters()``; under ZeRO every rank must call it and
+        rank 0 gets the whole state, gathered from every shard (``None`` elsewhere)."""
+        if self.sharded:
+            mine = [self.optimizer.state.get(p, {}) for p in self.sharded.params]
+            whole = self.sharded.whole_state(mine, self.flat_index)
+            if whole is None:
+                return None
+            group = {k: v for k, v in self.optimizer.state_dict()["param_groups"][0].items() if k != "params"}
+            return {"state": {i: s for i, s in whole if s}, "param_groups": [{**group, "params": self.index}]}
         state = self.optimizer.state_dict()
         return {
             "state": {self.index[i]: s for i, s in state["state"].items()},
@@ -119,9 +164,18 @@ class TorchAdam:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Load the entries of this rank's parameters from a whole-model state."""
-        local = {g: i for i, g in enumerate(self.index)}
+        """Load the entries of this rank's parameters (its shard's, under ZeRO) from a whole-model state."""
         group = state["param_groups"][0]
+        if self.sharded:
+            slices = self.sharded.slice_state(state["state"], self.flat_index)
+            self.optimizer.load_state_dict(
+                {
+                    "state": {i: s for i, s in enumerate(slices) if s},
+                    "param_groups": [{**group, "params": list(range(len(slices)))}],
+                }
+            )
+            return
+        local = {g: i for i, g in enumerate(self.index)}
         self.optimizer.load_state_dict(
             {
                 "state": {local[g]: s for g, s in state["state"].items() if g in local},
@@ -224,6 +278,7 @@ class DeepSpeedOnebit:
         self.index = [position[id(p)] for p in params]
         self.numels = [p.numel() for p in params]
         self.params = params
+        self.optimizer_elements = sum(self.numels)  # no ZeRO with 1-bit optimizers: state for all it holds
         mpu = data_parallel_mpu(bucket.group) if bucket is not None else None
         config = deepspeed_config(cfg, self.group_size, device.type == "cuda")
         self.flat = None if device.type == "cuda" else FlatParameters(params)
@@ -378,10 +433,11 @@ def make_sync(
     precision: str | None,
     buckets: list[Bucket] | None = None,
     link: EmulatedLink | None = None,
+    shard_weights: Sequence[float] | None = None,
 ):
     """The synchroniser the config asks for; ``buckets`` when this rank holds part of the model; ``link``: the
-    emulated link its messages are held to."""
+    emulated link its messages are held to; ``shard_weights``: each rank's share of ZeRO's shards."""
     if cfg.optimizer.name == "adam":
-        return TorchAdam(model, cfg, device, precision, buckets, link)
+        return TorchAdam(model, cfg, device, precision, buckets, link, shard_weights)
     bucket = onebit_bucket(buckets, cfg.optimizer.name) if buckets is not None else None
     return DeepSpeedOnebit(model, cfg, device, bucket, link)
