@@ -474,9 +474,13 @@ CASES = [
          cli(lambda d: ["discover", "--gpus", str(d / "none.yaml")]), r"{dir}/none\.yaml"),
     # hetero-ray train --plan (a Plan JSON checked against the config).
     Case("train-plan-pipelined-with-zero", TRAIN, "`--plan` with pipeline stages and `optimizer: {zero_stage: 1}`",
-         cli(train_plan(two_stage_plan, optimizer={"zero_stage": 1})),
+         cli(train_plan(lambda: {**two_stage_plan(), "zero_stage": 1}, optimizer={"zero_stage": 1})),
          r"{dir}/plan\.json: the plan has pipeline stages, which optimizer\.zero_stage 1 does not shard yet; use a "
          r"data-parallel plan or optimizer\.zero_stage: 0"),
+    Case("train-plan-zero-stage-differs", TRAIN, "`--plan` made without ZeRO, `optimizer: {zero_stage: 1}`",
+         cli(train_plan(two_device_plan, optimizer={"zero_stage": 1})),
+         r"{dir}/plan\.json: the plan is for ZeRO stage 0, the config's optimizer\.zero_stage is 1; plan with the "
+         r"config \(hetero-ray plan\) or set the same stage"),
     Case("train-plan-malformed", TRAIN, "`--plan` file `{` (cut short)", cli(train_plan(lambda: "{")),
          r"{dir}/plan\.json: line 1, column 2: malformed JSON"),
     Case("train-plan-other-devices", TRAIN, "`--plan` for 1 × A100-80GB + 2 × V100-16GB, config 1 + 1",

@@ -252,3 +252,46 @@ def test_activation_scale(precision: str, scale: float) -> None:
 )
 def test_max_micro_batch(catalog: Catalog, gpu: str, precision: str, fp: Footprint, expected: int) -> None:
     assert max_micro_batch(catalog.get(gpu), precision, fp) == expected
+
+
+def test_zero_1_shards_adams_state_by_spare_memory_so_the_small_cards_train_too(catalog):
+    """A model of 20 GiB unsharded (1.25 GiB of activations a sample in fp32) fits no V100-16GB whole: plain
+    data parallelism leaves the four out. ZeRO-1 keeps 10 GiB of weights and gradients on every card and
+    shares Adam's 10 GiB of state by what each has beyond them (70 : 6 GiB), so all six train, each within its
+    memory, with the same fraction of its spare memory given to state."""
+    fp = Footprint(
+        param_count=20 * ONE_GIB_OF_PARAMS,
+        dataset_samples=10_000,
+        flops_per_sample=1e9,
+        activation_bytes_per_sample=1.25 * GiB,
+    )
+    plain = plan_data_parallel(MIX, catalog, fp, global_batch=48)
+    assert {r.gpu_type for r in plain.roles} == {A100} and plain.excluded[0].count == 4
+    sharded = plan_data_parallel(MIX, catalog, fp, global_batch=48, zero_stage=1)
+    assert sorted(r.gpu_type for r in sharded.roles) == sorted(MIX) and not sharded.excluded
+    assert sharded.zero_stage == 1 and "ZeRO-1" in sharded.explanation
+    spare = {A100: 80 - 10, V100: 16 - 10}
+    fraction = 10 / (2 * spare[A100] + 4 * spare[V100])
+    for r in sharded.roles:
+        state = fraction * spare[r.gpu_type] * GiB
+        activations = r.micro_batch * 1.25 * GiB * activation_scale(r.precision)
+        assert r.predicted_memory_bytes == pytest.approx(10 * GiB + state + activations)
+        assert r.predicted_memory_bytes <= r.memory_cap_bytes
+        # The largest micro-batch that fits beside its share.
+        assert r.micro_batch == min(
+            r.local_batch, int(spare[r.gpu_type] * (1 - fraction) / (1.25 * activation_scale(r.precision)))
+        )
+
+
+def test_zero_1_prices_the_parameter_all_gather_and_says_when_the_state_fits_nowhere(catalog):
+    """Owners send their updated parameters to all: half a ring all-reduce more on the link. A model whose
+    weights and gradients alone exceed every card is infeasible, with the ZeRO-1 figures in the reason."""
+    link = (10e9, 1e-5)
+    plain = plan_data_parallel(MIX, catalog, SMALL, global_batch=48, link=link)
+    sharded = plan_data_parallel(MIX, catalog, SMALL, global_batch=48, link=link, zero_stage=1)
+    assert sharded.predicted_comm_s == pytest.approx(1.5 * plain.predicted_comm_s)
+    huge = Footprint(
+        param_count=180 * ONE_GIB_OF_PARAMS, dataset_samples=10, flops_per_sample=1e9, activation_bytes_per_sample=1.0
+    )
+    out = plan_data_parallel(MIX, catalog, huge, global_batch=6, zero_stage=1)
+    assert isinstance(out, Infeasible) and "90.0 GiB of weights and gradients per device" in out.reason

@@ -41,6 +41,7 @@ from hetero_ray.train.onebit import fused_allreduce_bytes
 from hetero_ray.train.prepare import prepare
 
 TINY_MEMORY = REPO / "tests" / "data" / "tiny-memory-gpus.yaml"
+SMALL_MEMORY = REPO / "tests" / "data" / "small-memory-gpus.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -132,18 +133,28 @@ def test_batch_norm_under_an_uneven_split_trains_like_one_process(cluster, tmp_p
     assert max_abs_diff(got, want) <= 1e-5
 
 
-def test_zero_stage_1_shards_the_optimizer_and_trains_like_one_process(cluster, tmp_path):
-    """ZeRO-1 on 2 fast + 2 slow workers at 2 : 1, each rank's shard of Adam's state sized by its spare memory:
-    the run ends where one process ends (1e-5), and its checkpoint holds the whole optimizer state, gathered
-    from the shards."""
-    cfg = run_config(tmp_path / "runs", "zero-1") | {"optimizer": {"zero_stage": 1}}
+def test_zero_stage_1_trains_on_cards_too_small_for_the_whole_state_like_one_process(cluster, tmp_path):
+    """With 2 MiB A100s and 0.8 MiB V100s (tests/data/small-memory-gpus.yaml) plain data parallelism leaves
+    the V100s out. ZeRO-1 shards Adam's state by spare memory: all four train at 2 : 1 under their emulated
+    memory caps (each charged its own shard), the run ends where one process ends (1e-5), and its
+    checkpoint holds the whole optimizer state, gathered from the shards."""
+    cfg = run_config(tmp_path / "runs", "zero-1") | {"gpus_file": str(SMALL_MEMORY)}
+    plain = prepare(parse_config(cfg)).plan
+    assert {r.gpu_type for r in plain.roles} == {"A100-80GB"} and plain.excluded[0].gpu_type == "V100-16GB"
+    cfg["optimizer"] = {"zero_stage": 1}
+    assert all(r.predicted_memory_bytes <= r.memory_cap_bytes for r in prepare(parse_config(cfg)).plan.roles)
     job_id, out = submit(cluster, tmp_path, cfg)
     assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
     result = json.loads(out.read_text())
+    assert sorted((d["gpu_type"], d["local_batch"]) for d in result["metrics"]["devices"]) == [
+        ("A100-80GB", 4),
+        ("A100-80GB", 4),
+        ("V100-16GB", 2),
+        ("V100-16GB", 2),
+    ]
     assert max_abs_diff(final_params(result), single_process_reference()) <= 1e-5
     optimizer_state = torch.load(Path(result["checkpoint_path"]) / "optimizer.pt")
     params = final_params(result)
-    assert len(optimizer_state["state"]) == len(params)
     assert [s["exp_avg"].shape for _, s in sorted(optimizer_state["state"].items())] == [
         p.shape for p in params.values()
     ]

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from hetero_ray.cluster.catalog import Catalog, GpuSpec
 from hetero_ray.perf.footprint import Footprint
 from hetero_ray.plan.cost import WIRE_BYTES, activation_scale, allreduce_seconds, compute_seconds, max_micro_batch
+from hetero_ray.plan.memory import ADAM_STATE_BYTES, WEIGHT_AND_GRAD_BYTES
 from hetero_ray.plan.plan import Exclusion, Infeasible, Plan, WorkerRole
 from hetero_ray.train.precision import choose_precision
 
@@ -67,6 +68,7 @@ def plan_data_parallel(
     link: Link | None = None,
     compressed: bool = False,
     reduce_dtype: str = "fp32",
+    zero_stage: int = 0,
 ) -> Plan | Infeasible:
     """Plan weighted data parallelism over workers of the given GPU types.
 
@@ -75,15 +77,22 @@ def plan_data_parallel(
     the reason, and if every type is excluded the result is ``Infeasible``.
     With a ``link`` (bandwidth bytes/s, latency s), the gradient all-reduce is
     priced on it: a ring of ``reduce_dtype`` gradients, and 1-bit compressed when ``compressed``.
+    ``zero_stage`` 1 shards Adam's state (``sharded_state``), and its parameter all-gather is priced too.
     """
     specs = [catalog.get(t) for t in rank_types]
     precisions = [choose_precision(s, precision) for s in specs]
-    fits = [max_micro_batch(s, p, footprint) for s, p in zip(specs, precisions)]
+    fits, state = memory_fits(specs, precisions, footprint, zero_stage)
     usable = [i for i, f in enumerate(fits) if f >= 1]
-    excluded = _exclusions(specs, precisions, fits, footprint)
+    excluded = _exclusions(specs, precisions, fits, footprint, sharded=bool(zero_stage))
     if not usable:
         worst = max(range(len(specs)), key=lambda i: specs[i].memory_bytes)
         need = footprint.memory_bytes(1, activation_scale(precisions[worst]))
+        if zero_stage:
+            return Infeasible(
+                f"model needs {_held_bytes(footprint) / GiB:.1f} GiB of weights and gradients per device and "
+                f"{footprint.param_count * ADAM_STATE_BYTES / GiB:.1f} GiB of Adam state across them (ZeRO-1), "
+                "more than these devices hold at micro-batch 1; use a smaller model or more memory"
+            )
         return Infeasible(
             f"model needs {need / GiB:.1f} GiB per device at micro-batch 1; largest device "
             f"({specs[worst].name}) has {specs[worst].memory_gib:g} GiB; use a smaller model or more memory"
@@ -96,11 +105,19 @@ def plan_data_parallel(
         return Infeasible(str(exc))
     caps = [min(fits[i], max_micro or fits[i]) for i in usable]
     roles = data_parallel_roles(
-        [(specs[i].name, precisions[i], specs[i].memory_bytes) for i in usable], shares, per_sample, caps, footprint
+        [(specs[i].name, precisions[i], specs[i].memory_bytes) for i in usable],
+        shares,
+        per_sample,
+        caps,
+        footprint,
+        static_bytes=[_held_bytes(footprint) + state[i] for i in usable],
     )
     world = len(rank_types)
     numels = footprint.param_numels or (footprint.param_count,)
     comm_fp32 = allreduce_seconds(numels, world, *link, element_bytes=WIRE_BYTES[reduce_dtype]) if link else 0.0
+    if link and zero_stage:
+        # Owners send their updated parameters to all: a ring all-gather, the second half of a ring all-reduce.
+        comm_fp32 += allreduce_seconds(numels, world, *link) / 2
     plan = Plan(
         global_batch=global_batch,
         split=split if isinstance(split, str) else "weights",
@@ -112,8 +129,57 @@ def plan_data_parallel(
         predicted_comm_s=(
             allreduce_seconds(numels, world, *link, compressed=True) if link and compressed else comm_fp32
         ),
+        zero_stage=zero_stage,
     )
     return Plan(**{**plan.__dict__, "explanation": explain(plan)})
+
+
+def memory_fits(
+    specs: Sequence[GpuSpec], precisions: Sequence[str], footprint: Footprint, zero_stage: int = 0
+) -> tuple[list[int], list[float]]:
+    """The largest micro-batch each device fits (0: none) and the bytes of Adam's state it holds: all of it, or
+    under ZeRO-1 its share (``sharded_state``)."""
+    if zero_stage:
+        return sharded_state(specs, precisions, footprint)
+    fits = [max_micro_batch(s, p, footprint) for s, p in zip(specs, precisions)]
+    return fits, [footprint.param_count * ADAM_STATE_BYTES] * len(specs)
+
+
+def _held_bytes(footprint: Footprint) -> float:
+    """Weights and gradients: what every data-parallel worker holds whole under ZeRO-1."""
+    return footprint.param_count * WEIGHT_AND_GRAD_BYTES
+
+
+def sharded_state(
+    specs: Sequence[GpuSpec], precisions: Sequence[str], footprint: Footprint
+) -> tuple[list[int], list[float]]:
+    """ZeRO-1 by memory: the largest micro-batch each device fits (0: none) and the bytes of Adam's state it holds.
+
+    Every device keeps weights and gradients whole; Adam's state is split in proportion to the memory
+    each has beyond them (``train/zero.py`` shards by the same rule), so every device gives the same
+    fraction of that spare memory to state and the rest to activations. A device without room for one
+    sample after its share drops out, which raises the others' shares: repeated until all that remain fit.
+    """
+    held, state = _held_bytes(footprint), footprint.param_count * ADAM_STATE_BYTES
+    spare = [s.memory_bytes - held for s in specs]
+    per_sample = [footprint.activation_bytes_per_sample * activation_scale(p) for p in precisions]
+    members = {i for i, x in enumerate(spare) if x > 0}
+    while members:
+        fraction = state / sum(spare[i] for i in members)
+        fits = {i: _samples(spare[i] * (1 - fraction), per_sample[i]) if fraction < 1 else 0 for i in members}
+        dropped = {i for i, f in fits.items() if f < 1}
+        if not dropped:
+            return (
+                [fits.get(i, 0) for i in range(len(specs))],
+                [fraction * spare[i] if i in members else 0.0 for i in range(len(specs))],
+            )
+        members -= dropped
+    return [0] * len(specs), [0.0] * len(specs)
+
+
+def _samples(free: float, per_sample: float) -> int:
+    """Samples whose activations fit in ``free`` bytes."""
+    return max(0, int(free // per_sample)) if per_sample > 0 else (1 << 30 if free >= 0 else 0)
 
 
 def data_parallel_roles(
@@ -122,13 +188,20 @@ def data_parallel_roles(
     seconds_per_sample: Sequence[float],
     micro_caps: Sequence[int],
     footprint: Footprint,
+    static_bytes: Sequence[float] | None = None,
 ) -> list[WorkerRole]:
-    """Roles for devices given as (GPU type, precision, memory bytes) with their shares, in order.
+    """Roles for devices given as (GPU type, precision, memory bytes) with their shares, in order;
+    ``static_bytes``: what each holds besides activations (default: weights, gradients and all of Adam's state).
 
     Each device runs its share in the fewest micro-batches of at most its cap, sized evenly.
     """
     roles, offset = [], 0
-    for (gpu_type, precision, memory), share, t, cap in zip(devices, shares, seconds_per_sample, micro_caps):
+    # What a device holds besides activations: all of Adam's state unless ``static_bytes`` says its share.
+    unsharded = footprint.memory_bytes(0)
+    statics = static_bytes or [unsharded] * len(devices)
+    for (gpu_type, precision, memory), share, t, cap, static in zip(
+        devices, shares, seconds_per_sample, micro_caps, statics
+    ):
         micro = math.ceil(share / math.ceil(share / min(cap, share)))
         roles.append(
             WorkerRole(
@@ -138,7 +211,7 @@ def data_parallel_roles(
                 sample_offset=offset,
                 precision=precision,
                 predicted_compute_s=share * t,
-                predicted_memory_bytes=footprint.memory_bytes(micro, activation_scale(precision)),
+                predicted_memory_bytes=static - unsharded + footprint.memory_bytes(micro, activation_scale(precision)),
                 memory_cap_bytes=memory,
             )
         )
@@ -146,17 +219,21 @@ def data_parallel_roles(
     return roles
 
 
-def _exclusions(specs, precisions, fits, footprint: Footprint) -> tuple[Exclusion, ...]:
+def _exclusions(specs, precisions, fits, footprint: Footprint, *, sharded: bool) -> tuple[Exclusion, ...]:
     out: dict[str, Exclusion] = {}
     for spec, prec, fit in zip(specs, precisions, fits):
         if fit < 1:
-            need = footprint.memory_bytes(1, activation_scale(prec)) / GiB
+            if sharded:
+                need = (_held_bytes(footprint) + footprint.activation_bytes_per_sample * activation_scale(prec)) / GiB
+                reason = (
+                    f"ZeRO-1: weights, gradients and one sample ({need:.1f} GiB) leave too little of its "
+                    f"{spec.memory_gib:g} GiB for a share of Adam's state"
+                )
+            else:
+                need = footprint.memory_bytes(1, activation_scale(prec)) / GiB
+                reason = f"needs {need:.1f} GiB at micro-batch 1, has {spec.memory_gib:g} GiB"
             prev = out.get(spec.name)
-            out[spec.name] = Exclusion(
-                gpu_type=spec.name,
-                count=(prev.count if prev else 0) + 1,
-                reason=f"needs {need:.1f} GiB at micro-batch 1, has {spec.memory_gib:g} GiB",
-            )
+            out[spec.name] = Exclusion(gpu_type=spec.name, count=(prev.count if prev else 0) + 1, reason=reason)
     return tuple(out.values())
 
 
@@ -188,6 +265,11 @@ def explain(plan: Plan) -> str:
             f"{r.predicted_memory_bytes / GiB:.2f} of {r.memory_cap_bytes / GiB:g} GiB"
         )
     lines += [f"{e.count} × {e.gpu_type} excluded: {e.reason}" for e in plan.excluded]
+    if plan.zero_stage:
+        lines.append(
+            "ZeRO-1: Adam's state is sharded in proportion to each device's memory beyond weights and gradients, "
+            "so devices too small for the whole state train too"
+        )
     if plan.predicted_comm_fp32_s:
         lines.append(explain_communication(plan))
     if plan.emulated:

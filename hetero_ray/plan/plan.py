@@ -77,6 +77,8 @@ class Plan:
     predicted_comm_s: float = 0.0
     predicted_comm_fp32_s: float = 0.0
     schedule: str = "gpipe"
+    # 1: Adam's state sharded over the data-parallel workers by the memory each has beyond weights and gradients.
+    zero_stage: int = 0
     explanation: str = ""
     schema: int = field(default=2)
 

@@ -30,7 +30,8 @@ from hetero_ray.config import RunConfig
 from hetero_ray.monitor.health import HealthPolicy
 from hetero_ray.monitor.worker import WorkerMonitor
 from hetero_ray.perf.footprint import OPTIMIZER_STATE_BYTES_PER_PARAM, STATIC_BYTES_PER_PARAM, Footprint
-from hetero_ray.plan.cost import RECOMPUTE_FACTOR, max_micro_batch
+from hetero_ray.plan.cost import RECOMPUTE_FACTOR
+from hetero_ray.plan.data_parallel import memory_fits
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
 from hetero_ray.train.batch_norm import share_batch_norm
 from hetero_ray.train.buckets import EmulatedLink
@@ -38,7 +39,7 @@ from hetero_ray.train.checkpoint import restore_dir, write_checkpoint
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.device import enter_device, torch_device, worker_gpu_type
 from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group, sequence
-from hetero_ray.train.precision import autocast, compute_precision
+from hetero_ray.train.precision import autocast, choose_precision, compute_precision
 from hetero_ray.train.prepare import plan_for
 from hetero_ray.train.rebalance import Rebalancer, halve
 from hetero_ray.train.sync import Synced, make_sync
@@ -173,7 +174,7 @@ def train_worker(payload: dict[str, Any]) -> None:
         if plan.is_pipelined or footprint.batch_coupled
         else Rebalancer(
             roles,
-            [max_micro_batch(catalog.get(t), r.precision, footprint) if r else 0 for t, r in zip(rank_types, roles)],
+            _micro_caps(cfg, catalog, rank_types, roles, footprint),
             global_batch=cfg.train.global_batch,
             footprint=footprint,
             policy=HealthPolicy(),
@@ -301,6 +302,14 @@ def _forward(model, workload, batch, checkpointing: bool) -> torch.Tensor:
     layered = workload.layered
     run = sequence(layered.layers(model), checkpointing=True)
     return layered.output_loss(run(layered.inputs(batch)), layered.targets(batch))
+
+
+def _micro_caps(cfg: RunConfig, catalog, rank_types, roles, footprint: Footprint) -> list[int]:
+    """The largest micro-batch each rank fits, as the planner found it (under ZeRO, beside its shard)."""
+    specs = [catalog.get(t) for t in rank_types]
+    precisions = [r.precision if r else choose_precision(s, cfg.train.precision) for r, s in zip(roles, specs)]
+    fits, _ = memory_fits(specs, precisions, footprint, cfg.optimizer.zero_stage)
+    return [f if r else 0 for f, r in zip(fits, roles)]
 
 
 def _my_events(cfg: RunConfig, rank_types: list[str], rank: int) -> list:

@@ -118,7 +118,8 @@ def plan_for(
     that split, as asked. Runs that cannot be pipelined yet stay data-parallel
     (``data_parallel_only``).
     """
-    if cfg.train.split == "proportional" and footprint.layers:
+    # ZeRO's memory is the data-parallel planner's alone (the placement search does not shard state yet).
+    if cfg.train.split == "proportional" and footprint.layers and not cfg.optimizer.zero_stage:
         plans = search.plan(
             types,
             catalog,
@@ -151,6 +152,7 @@ def plan_for(
         link=(link.bandwidth_bytes_s, link.latency_s) if link else None,
         compressed=cfg.optimizer.name in ONEBIT_OPTIMIZERS,
         reduce_dtype=cfg.train.reduce_dtype,
+        zero_stage=cfg.optimizer.zero_stage,
     )
     if isinstance(plan, Infeasible):
         raise PlanError(plan.reason)
@@ -206,6 +208,11 @@ def given_plan(path: str, cfg: RunConfig, catalog: Catalog, footprint: Footprint
     if plan.is_pipelined and not footprint.layers:
         raise PlanError(
             f"{path}: the plan has pipeline stages but workload {cfg.workload.name!r} cannot be cut into layers"
+        )
+    if plan.zero_stage != cfg.optimizer.zero_stage:
+        raise PlanError(
+            f"{path}: the plan is for ZeRO stage {plan.zero_stage}, the config's optimizer.zero_stage is "
+            f"{cfg.optimizer.zero_stage}; plan with the config (hetero-ray plan) or set the same stage"
         )
     if plan.is_pipelined and cfg.optimizer.zero_stage:
         raise PlanError(

@@ -80,8 +80,6 @@ class TorchAdam:
             self.sharded = ShardedParameters(chunks, shards, dist.get_rank())
             # Positions in the flattened (chunk) order, which reverses the buckets'.
             self.flat_index = [position[id(p)] for c in self.grads.chunks for p in c.params]
-            if not self.sharded.params:
-                raise ValueError(f"ZeRO: rank {dist.get_rank()} owns no parameters (shard weights {shard_weights})")
         self.optimizer = torch.optim.AdamW(
             self.sharded.params if self.sharded else self.params,
             lr=cfg.train.lr,

@@ -30,16 +30,11 @@ from hetero_ray.plan.plan import WorkerRole
 def spare_memory(
     roles: Sequence[WorkerRole | None], rank_types: Sequence[str], catalog: Catalog, footprint: Footprint
 ) -> list[float]:
-    """Each rank's bytes for optimizer state: its memory beyond weights, gradients and activations (the plan's
-    prediction holds the whole state; a rank without samples holds weights and gradients alone). At least one
-    byte, so every rank owns a shard."""
-    state = OPTIMIZER_STATE_BYTES_PER_PARAM * footprint.param_count
-    held = footprint.static_bytes - state  # weights and gradients
-    spare = [
-        r.memory_cap_bytes - r.predicted_memory_bytes + state if r else catalog.get(t).memory_bytes - held
-        for r, t in zip(roles, rank_types)
-    ]
-    return [max(1.0, float(x)) for x in spare]
+    """Each rank's weight for its shard of Adam's state: its memory beyond weights and gradients, the planner's
+    rule (``plan/data_parallel.py::sharded_state``); a rank with no room beyond them still gets a token weight."""
+    held = footprint.static_bytes - OPTIMIZER_STATE_BYTES_PER_PARAM * footprint.param_count
+    memory = [r.memory_cap_bytes if r else catalog.get(t).memory_bytes for r, t in zip(roles, rank_types)]
+    return [max(1.0, float(m - held)) for m in memory]
 
 
 @dataclass(frozen=True)
@@ -51,12 +46,16 @@ class Shards:
     @classmethod
     def by_weight(cls, numel: int, weights: Sequence[float]) -> Shards:
         """Contiguous ranges of ``numel`` elements in proportion to ``weights`` (rounded at the cumulative sums,
-        so they tile exactly); a rank of weight 0 owns nothing."""
-        if not weights or min(weights) < 0 or sum(weights) <= 0:
-            raise ValueError(f"shard weights: {list(weights)}; need non-negative weights with a positive sum")
-        total = sum(weights)
-        cumulative = itertools.accumulate(weights)
-        return cls((0, *(round(numel * c / total) for c in cumulative)))
+        so they tile exactly), at least one element each."""
+        if not weights or min(weights) <= 0 or numel < len(weights):
+            raise ValueError(
+                f"shard weights: {list(weights)} over {numel} elements; need positive weights, one element each"
+            )
+        total, world = sum(weights), len(weights)
+        bounds = [0, *(round(numel * c / total) for c in itertools.accumulate(weights))]
+        for r in range(1, world):
+            bounds[r] = min(max(bounds[r], bounds[r - 1] + 1), numel - (world - r))
+        return cls(tuple(bounds))
 
     def piece(self, rank: int, start: int, length: int) -> tuple[int, int] | None:
         """The part of ``[start, start + length)`` rank ``rank`` owns, as offsets from ``start``; ``None`` if none."""
