@@ -118,6 +118,14 @@ class WorkloadConfig(_Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the workload factory.")
 
 
+class ScheduleConfig(_Strict):
+    """The learning rate step by step: a linear warm-up to ``train.lr``, then constant or a cosine decay."""
+
+    name: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0, description="Steps rising linearly to train.lr (step k: lr (k+1)/warmup).")
+    min_lr: float = Field(0.0, ge=0, description="cosine: the rate the decay ends at, on the last step's update.")
+
+
 class TrainConfig(_Strict):
     """The optimisation: batch, steps, optimiser, split, precision, checkpoints."""
 
@@ -161,6 +169,13 @@ class TrainConfig(_Strict):
         ge=1,
         description="Elastic: after a loss, go on with as few as this many workers, re-planned for the same "
         "global batch; they grow back when devices return. None: all devices or none.",
+    )
+    lr_schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    grad_clip: float | None = Field(
+        None,
+        gt=0,
+        description="Scale the full-batch gradient down to this global L2 norm when it is larger (as "
+        "clip_grad_norm_ on one process: the same under any split).",
     )
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
@@ -305,6 +320,26 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"train.reduce_dtype: {self.train.reduce_dtype} casts adam's gradients; {self.optimizer.name} "
                 f"compresses its own, so use reduce_dtype: fp32 with it"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _schedule_fits_the_run(self) -> RunConfig:
+        schedule, train = self.train.lr_schedule, self.train
+        if schedule.warmup_steps >= train.steps:
+            raise ValueError(
+                f"train.lr_schedule.warmup_steps: {schedule.warmup_steps} is not below train.steps {train.steps}, "
+                f"so the rate would never reach train.lr; use fewer warm-up steps"
+            )
+        if schedule.min_lr > train.lr:
+            raise ValueError(
+                f"train.lr_schedule.min_lr: {schedule.min_lr:g} is above train.lr {train.lr:g}; the decay ends below "
+                "where it starts"
+            )
+        if train.grad_clip is not None and self.optimizer.name in ONEBIT_OPTIMIZERS:
+            raise ValueError(
+                f"train.grad_clip: {self.optimizer.name} applies its own compressed momentum, which hetero-ray does "
+                "not clip; use adam to clip, or drop grad_clip"
             )
         return self
 

@@ -380,6 +380,18 @@ CASES = [
     Case("zero-stage-not-yet", TRAIN, "`optimizer: {zero_stage: 2}`",
          cli(train(lambda d: config(d, optimizer={"zero_stage": 2}))),
          rf"{CFG}: optimizer: ZeRO stage 2 is not supported yet; set optimizer\.zero_stage: 0 or 1"),
+    Case("warmup-as-long-as-the-run", TRAIN, "`train: {steps: 2, lr_schedule: {warmup_steps: 2}}`",
+         cli(train(lambda d: config(d, train__lr_schedule={"warmup_steps": 2}))),
+         rf"{CFG}: train\.lr_schedule\.warmup_steps: 2 is not below train\.steps 2, so the rate would never "
+         r"reach train\.lr; use fewer warm-up steps"),
+    Case("min-lr-above-lr", TRAIN, "`train: {lr: 0.001, lr_schedule: {name: cosine, min_lr: 0.01}}`",
+         cli(train(lambda d: config(d, train__lr=0.001, train__lr_schedule={"name": "cosine", "min_lr": 0.01}))),
+         rf"{CFG}: train\.lr_schedule\.min_lr: 0\.01 is above train\.lr 0\.001; the decay ends below where it "
+         r"starts"),
+    Case("clip-with-onebit", TRAIN, "`optimizer: {name: onebit_adam}` with `train: {grad_clip: 1}`",
+         cli(train(lambda d: config(d, optimizer={"name": "onebit_adam", "freeze_step": 1}, train__grad_clip=1.0))),
+         rf"{CFG}: train\.grad_clip: onebit_adam applies its own compressed momentum, which hetero-ray does not "
+         r"clip; use adam to clip, or drop grad_clip"),
     Case("unknown-optimizer", TRAIN, "`optimizer: {name: lamb}`", cli(train(lambda d: config(d, optimizer={"name": "lamb"}))),
          rf"{CFG}: optimizer\.name: .*'adam', 'onebit_adam' or 'zero_one_adam'"),
     Case("zero-link-bandwidth", TRAIN, "`link: {bandwidth_gbps: 0}`",

@@ -186,7 +186,8 @@ def test_onebit_adam_compresses_and_resumes_with_its_optimizer_state(cluster, tm
     cfg["emulation"] = {"dilation": 1_000}
     cfg["link"] = {"bandwidth_gbps": 1, "latency_us": 10}
     cfg["optimizer"] = {"name": "onebit_adam", "freeze_step": 4, "betas": [0.9, 0.95]}
-    cfg["train"] |= {"steps": 10, "checkpoint_every": 10, "report_every": 5}
+    # DeepSpeed's compressed momentum is not clipped (refused); the schedule applies to its rate alike.
+    cfg["train"] |= {"steps": 10, "checkpoint_every": 10, "report_every": 5, "grad_clip": None}
     job_id, out = submit(cluster, tmp_path, cfg)
     assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
     result = json.loads(out.read_text())

@@ -42,6 +42,7 @@ from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_bucket
 from hetero_ray.train.precision import autocast, choose_precision, compute_precision
 from hetero_ray.train.prepare import plan_for
 from hetero_ray.train.rebalance import Rebalancer, halve
+from hetero_ray.train.schedule import lr_at, set_lr
 from hetero_ray.train.sync import Synced, make_sync
 from hetero_ray.train.zero import spare_memory
 from hetero_ray.workloads import build_workload
@@ -214,6 +215,7 @@ def train_worker(payload: dict[str, Any]) -> None:
             busy = emu.pad(t0, role.local_batch) if emu and role else time.perf_counter() - t0
         t1 = time.perf_counter()
         stop = rank == 0 and cfg.train.duration_s is not None and time.monotonic() - started > cfg.train.duration_s
+        set_lr(sync.optimizer, lr_at(step, cfg.train))
         synced = sync.step(loss_sum, stop)
         if step == start_step:
             free_comm_threads(device_slice)

@@ -8,6 +8,7 @@ after their warm-up. Both give the same interface to the training loop.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,6 +87,7 @@ class TorchAdam:
             betas=cfg.optimizer.betas,
             weight_decay=cfg.train.weight_decay,
         )
+        self.clip = cfg.train.grad_clip
         self.scaler = loss_scaler(precision, device) if precision else None
         # The scaler unscales every local gradient before the sum, not only the slices this rank's optimizer holds.
         self._unscaled = torch.optim.SGD(self.params, lr=0.0) if self.scaler and self.sharded else self.optimizer
@@ -106,12 +108,15 @@ class TorchAdam:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self, loss_sum: float, stop: bool) -> Synced:
-        """Finish the gradient all-reduces, agree on loss, stop and finiteness, then update."""
+        """Finish the gradient all-reduces, agree on loss, stop, finiteness and the gradient's norm, then clip
+        and update."""
         if self.scaler:
             self.scaler.unscale_(self._unscaled)
         finite, launches = self.grads.finish()
         world = dist.get_world_size()
-        votes = torch.tensor([loss_sum, float(stop), float(not finite)], device=self.device)
+        # Each bucket's ranks hold the same summed gradient: each adds its 1/size part of the squared norm.
+        squares = sum(float(c.flat.double().square().sum()) / c.size for c in self.grads.chunks) if self.clip else 0.0
+        votes = torch.tensor([loss_sum, float(stop), float(not finite), squares], device=self.device)
         voted = time.perf_counter()
         dist.all_reduce(votes)
         vote_bytes, vote_rounds = ring_allreduce_bytes(4 * votes.numel(), world), 2 * (world - 1)
@@ -119,6 +124,11 @@ class TorchAdam:
             self.link.hold(self.link.send(voted, vote_bytes, vote_rounds), voted)
         gathered = 0.0
         if votes[2] == 0:
+            norm = math.sqrt(float(votes[3]))
+            if self.clip and norm > self.clip:
+                # clip_grad_norm_'s factor, on every rank alike.
+                for c in self.grads.chunks:
+                    c.flat.mul_(self.clip / (norm + 1e-6))
             self.optimizer.step()
             if self.sharded:
                 gathered = self._share_updates()
