@@ -170,6 +170,12 @@ class TrainConfig(_Strict):
         description="Elastic: after a loss, go on with as few as this many workers, re-planned for the same "
         "global batch; they grow back when devices return. None: all devices or none.",
     )
+    eval_every: int | None = Field(
+        None, ge=1, description="Steps between evaluations of the loss on held-out samples (and after the last step)."
+    )
+    eval_samples: int = Field(
+        64, ge=1, description="With eval_every: the dataset's last this-many samples, never trained on, evaluated."
+    )
     lr_schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     grad_clip: float | None = Field(
         None,

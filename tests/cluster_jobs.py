@@ -27,9 +27,13 @@ WORKLOAD = {
 }
 
 
-def run_config(storage: Path, name: str) -> dict:
-    """2 fast + 2 slow workers with a 2:1 split, fp32, fixed seed."""
-    return {
+HELD_OUT = 48  # samples the evaluating runs hold out
+
+
+def run_config(storage: Path, name: str, *, evaluate: bool = False) -> dict:
+    """2 fast + 2 slow workers with a 2:1 split, fp32, fixed seed; ``evaluate``: the loss on the dataset's last
+    HELD_OUT samples every 10 steps."""
+    config = {
         "devices": {"A100-80GB": 2, "V100-16GB": 2},
         # Slow enough (about 0.3 s a step) that a run can be stopped between checkpoints.
         "emulation": {"dilation": 150_000},
@@ -49,6 +53,9 @@ def run_config(storage: Path, name: str) -> dict:
         },
         "run": {"name": name, "storage_path": str(storage)},
     }
+    if evaluate:
+        config["train"] |= {"eval_every": 10, "eval_samples": HELD_OUT}
+    return config
 
 
 def ray_cli(cluster: EmulatedCluster, *args: str, timeout: float = 60) -> str:
@@ -112,10 +119,12 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def single_process_reference(steps: int = STEPS, workload: dict = WORKLOAD) -> dict[str, torch.Tensor]:
+def single_process_reference(
+    steps: int = STEPS, workload: dict = WORKLOAD, held_out: int = 0
+) -> dict[str, torch.Tensor]:
     """One process, full global batch every step: what every split, plan and recovery must reproduce. The
     clip and the schedule are torch's own: ``clip_grad_norm_``, and ``LinearLR`` then ``CosineAnnealingLR``
-    for a run of ``steps`` steps."""
+    for a run of ``steps`` steps; the dataset's last ``held_out`` samples are never drawn."""
     cfg = run_config(Path("/unused"), "reference")["train"]
     torch.manual_seed(cfg["seed"])
     workload = build_workload(workload["name"], workload["options"])
@@ -129,7 +138,7 @@ def single_process_reference(steps: int = STEPS, workload: dict = WORKLOAD) -> d
         ],
         milestones=[warmup],
     )
-    batches = GlobalBatches(len(workload.dataset), cfg["global_batch"], cfg["seed"])
+    batches = GlobalBatches(len(workload.dataset) - held_out, cfg["global_batch"], cfg["seed"])
     for step in range(steps):
         workload.loss_fn(workload.model, collate(workload.dataset, batches.indices(step))).backward()
         torch.nn.utils.clip_grad_norm_(workload.model.parameters(), cfg["grad_clip"])
@@ -137,3 +146,13 @@ def single_process_reference(steps: int = STEPS, workload: dict = WORKLOAD) -> d
         opt.zero_grad()
         schedule.step()
     return workload.model.state_dict()
+
+
+def held_out_loss(state: dict[str, torch.Tensor], held_out: int = HELD_OUT) -> float:
+    """The mean loss of the model in ``state`` over the dataset's last ``held_out`` samples, in one batch."""
+    workload = build_workload(WORKLOAD["name"], WORKLOAD["options"])
+    workload.model.load_state_dict(state)
+    workload.model.eval()
+    n = len(workload.dataset)
+    with torch.no_grad():
+        return float(workload.loss_fn(workload.model, collate(workload.dataset, torch.arange(n - held_out, n))))

@@ -392,6 +392,14 @@ CASES = [
          cli(train(lambda d: config(d, optimizer={"name": "onebit_adam", "freeze_step": 1}, train__grad_clip=1.0))),
          rf"{CFG}: train\.grad_clip: onebit_adam applies its own compressed momentum, which hetero-ray does not "
          r"clip; use adam to clip, or drop grad_clip"),
+    Case("eval-holds-out-too-much", TRAIN, "`train: {eval_every: 1, eval_samples: 1000000}`",
+         cli(train(lambda d: config(d, train__eval_every=1, train__eval_samples=1_000_000))),
+         r"train\.eval_samples: holding out 1000000 of the workload's \d+ samples leaves 0, fewer than "
+         r"train\.global_batch 4; hold out fewer"),
+    Case("eval-fewer-than-workers", TRAIN, "`train: {eval_every: 1, eval_samples: 1}` on two workers",
+         cli(train(lambda d: config(d, train__eval_every=1, train__eval_samples=1))),
+         r"train\.eval_samples: 1 is fewer than the 2 workers that share the evaluation; hold out at "
+         r"least one sample per worker"),
     Case("unknown-optimizer", TRAIN, "`optimizer: {name: lamb}`", cli(train(lambda d: config(d, optimizer={"name": "lamb"}))),
          rf"{CFG}: optimizer\.name: .*'adam', 'onebit_adam' or 'zero_one_adam'"),
     Case("zero-link-bandwidth", TRAIN, "`link: {bandwidth_gbps: 0}`",
@@ -493,6 +501,10 @@ CASES = [
          cli(train_plan(two_device_plan, optimizer={"zero_stage": 1})),
          r"{dir}/plan\.json: the plan is for ZeRO stage 0, the config's optimizer\.zero_stage is 1; plan with the "
          r"config \(hetero-ray plan\) or set the same stage"),
+    Case("train-plan-pipelined-with-eval", TRAIN, "`--plan` with pipeline stages and `train: {eval_every: 1}`",
+         cli(train_plan(two_stage_plan, train={**BASE["train"], "eval_every": 1})),
+         r"train\.eval_every: the evaluation runs on devices holding the whole model, and this plan pipelines "
+         r"it; drop eval_every, or make data parallelism fit \(a smaller train\.max_micro_batch\)"),
     Case("train-plan-malformed", TRAIN, "`--plan` file `{` (cut short)", cli(train_plan(lambda: "{")),
          r"{dir}/plan\.json: line 1, column 2: malformed JSON"),
     Case("train-plan-other-devices", TRAIN, "`--plan` for 1 × A100-80GB + 2 × V100-16GB, config 1 + 1",

@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 from cluster_jobs import (
+    HELD_OUT,
     REPO,
     STEPS,
     final_params,
+    held_out_loss,
     job_status,
     max_abs_diff,
     ray_cli,
@@ -47,7 +49,7 @@ SMALL_MEMORY = REPO / "tests" / "data" / "small-memory-gpus.yaml"
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    job_id, out = submit(cluster, tmp, run_config(tmp / "runs", "uninterrupted"))
+    job_id, out = submit(cluster, tmp, run_config(tmp / "runs", "uninterrupted", evaluate=True))
     status = wait_for(cluster, job_id)
     assert status == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
     result = json.loads(out.read_text())
@@ -70,13 +72,18 @@ def test_job_submit_reports_result(uninterrupted):
 
 
 def test_split_invariance(uninterrupted):
-    """2 fast + 2 slow workers at 2:1 end where one process on the full batch ends (fp32, 20 steps)."""
-    assert max_abs_diff(final_params(uninterrupted), single_process_reference()) <= 1e-5
+    """2 fast + 2 slow workers at 2:1 end where one process on the full batch ends (fp32, 20 steps, 48 samples
+    held out), and their evaluation, shared by the four, is that model's loss on the held-out samples."""
+    reference = single_process_reference(held_out=HELD_OUT)
+    assert max_abs_diff(final_params(uninterrupted), reference) <= 1e-5
+    evaluation = uninterrupted["metrics"]["eval"]
+    assert evaluation["step"] == STEPS - 1
+    assert evaluation["loss"] == pytest.approx(held_out_loss(reference), abs=1e-5)
 
 
 def test_resume_after_stop(cluster, tmp_path, uninterrupted):
     """A run stopped after a checkpoint resumes from it, not from 0, and ends where the uninterrupted run ends."""
-    cfg = run_config(tmp_path / "runs", "resumed")
+    cfg = run_config(tmp_path / "runs", "resumed", evaluate=True)
     job_id, _ = submit(cluster, tmp_path, cfg)
     snapshot = tmp_path / "runs" / "resumed" / "checkpoint_manager_snapshot.json"
     deadline = time.monotonic() + 240

@@ -165,7 +165,10 @@ def train_worker(payload: dict[str, Any]) -> None:
     )
     if start_step > 0:
         monitor.restarted()
-    batches = GlobalBatches(len(workload.dataset), cfg.train.global_batch, cfg.train.seed)
+    # With evaluation, the dataset's last eval_samples are held out: never drawn for training.
+    held = cfg.train.eval_samples if cfg.train.eval_every else 0
+    batches = GlobalBatches(len(workload.dataset) - held, cfg.train.global_batch, cfg.train.seed)
+    evaluated = None  # (step, mean held-out loss) of the last evaluation
     progress = payload.get("progress")
 
     # A re-split could cut a share into micro-batches, which batch statistics cannot span (prepare refuses
@@ -222,11 +225,15 @@ def train_worker(payload: dict[str, Any]) -> None:
         loss = synced.loss_total / cfg.train.global_batch
         window.add(time.perf_counter() - t0, busy, time.perf_counter() - t1, synced)
         last = step + 1 == cfg.train.steps or synced.stop
+        if cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or last):
+            held_out = torch.arange(len(workload.dataset) - held, len(workload.dataset))
+            evaluated = (step, evaluate(model, workload, held_out, roles, rank, device, precision))
         if (step + 1) % cfg.train.report_every == 0 or (step + 1) % cfg.train.checkpoint_every == 0 or last:
             history.append((step, loss))
             save = (step + 1) % cfg.train.checkpoint_every == 0 or last
             metrics = _metrics(step, loss, window, plan, roles, rank_types, emu, link, start_step, history, started)
             metrics["rebalances"] = rebalances
+            metrics["eval"] = {"step": evaluated[0], "loss": evaluated[1]} if evaluated else None
             whole = _whole_state(model, workload, sync, roles, rank, plan) if save else None
             _report(metrics, whole, history, step, plan, save=save)
             monitor.report(metrics)
@@ -296,6 +303,27 @@ def local_backward(
         sync.backward(loss * (size / global_batch * sync.loss_weight))
         loss_sum += loss.item() * size
     return loss_sum, fitted
+
+
+@torch.no_grad()
+def evaluate(model, workload, indices: torch.Tensor, roles, rank: int, device, precision) -> float:
+    """The mean loss over ``indices`` (held-out samples) of the whole model in evaluation mode (BatchNorm on its
+    running statistics): the ranks with samples each take an even part, in their micro-batch size; every rank
+    must call it (one all-reduce)."""
+    holders = [r for r, role in enumerate(roles) if role is not None]
+    total = torch.zeros(1, dtype=torch.float64)
+    if rank in holders:
+        mine = torch.tensor_split(indices, len(holders))[holders.index(rank)]
+        model.eval()
+        try:
+            for part in torch.split(mine, roles[rank].micro_batch):
+                batch = tree_map(lambda t: t.to(device), collate(workload.dataset, part))
+                with autocast(precision, device):
+                    total += float(workload.loss_fn(model, batch)) * len(part)
+        finally:
+            model.train()
+    dist.all_reduce(total)
+    return float(total) / len(indices)
 
 
 def _forward(model, workload, batch, checkpointing: bool) -> torch.Tensor:

@@ -137,7 +137,7 @@ def plan_for(
         )
         if isinstance(plans, Infeasible):
             raise PlanError(plans.reason)
-        return check_batch_coupling(plans[0], footprint, cfg)
+        return check_plan(plans[0], footprint, cfg)
     link = cfg.link
     plan = plan_data_parallel(
         types,
@@ -156,7 +156,7 @@ def plan_for(
     )
     if isinstance(plan, Infeasible):
         raise PlanError(plan.reason)
-    return check_batch_coupling(plan, footprint, cfg)
+    return check_plan(plan, footprint, cfg)
 
 
 def data_parallel_only(cfg: RunConfig, footprint: Footprint) -> bool:
@@ -165,10 +165,34 @@ def data_parallel_only(cfg: RunConfig, footprint: Footprint) -> bool:
     return cfg.optimizer.name in ONEBIT_OPTIMIZERS or cfg.optimizer.zero_stage > 0 or bool(footprint.batch_coupled)
 
 
-def check_batch_coupling(plan: Plan, footprint: Footprint, cfg: RunConfig) -> Plan:
-    """``plan``, unless the workload normalises over the batch (BatchNorm) and the plan would let a device see
-    less than its whole share at once: ``train/batch_norm.py`` shares statistics across devices exactly, but
-    not across one device's micro-batches, pipeline stages or a re-split mid-run."""
+def check_held_out(cfg: RunConfig, footprint: Footprint) -> None:
+    """With evaluation, the held-out samples must leave a global batch to train on and one for every worker."""
+    train = cfg.train
+    if not train.eval_every:
+        return
+    left = footprint.dataset_samples - train.eval_samples
+    if left < train.global_batch:
+        raise ConfigError(
+            f"train.eval_samples: holding out {train.eval_samples} of the workload's {footprint.dataset_samples} "
+            f"samples leaves {max(left, 0)}, fewer than train.global_batch {train.global_batch}; hold out fewer"
+        )
+    if train.eval_samples < cfg.num_workers:
+        raise ConfigError(
+            f"train.eval_samples: {train.eval_samples} is fewer than the {cfg.num_workers} workers that share "
+            "the evaluation; hold out at least one sample per worker"
+        )
+
+
+def check_plan(plan: Plan, footprint: Footprint, cfg: RunConfig) -> Plan:
+    """``plan``, unless it cuts what the run needs whole: the evaluation runs on devices holding the whole
+    model; a workload that normalises over the batch (BatchNorm) needs each device's whole share at once
+    (``train/batch_norm.py`` shares statistics across devices exactly, but not across one device's
+    micro-batches, pipeline stages or a re-split mid-run)."""
+    if plan.is_pipelined and cfg.train.eval_every:
+        raise PlanError(
+            "train.eval_every: the evaluation runs on devices holding the whole model, and this plan pipelines "
+            "it; drop eval_every, or make data parallelism fit (a smaller train.max_micro_batch)"
+        )
     if not footprint.batch_coupled:
         return plan
     layer = f"workload layer {footprint.batch_coupled[0]} normalises over the whole batch"
@@ -219,7 +243,7 @@ def given_plan(path: str, cfg: RunConfig, catalog: Catalog, footprint: Footprint
             f"{path}: the plan has pipeline stages, which optimizer.zero_stage {cfg.optimizer.zero_stage} does not "
             "shard yet; use a data-parallel plan or optimizer.zero_stage: 0"
         )
-    return check_batch_coupling(plan, footprint, cfg)
+    return check_plan(plan, footprint, cfg)
 
 
 def check_storage(storage_path: str) -> None:
@@ -250,6 +274,7 @@ def prepare(cfg: RunConfig, plan_path: str | None = None) -> Prepared:
     problem = footprint.batch_problem(cfg.train.global_batch)
     if problem:
         raise ConfigError(f"train.global_batch: {problem}")
+    check_held_out(cfg, footprint)
     efficiency = cfg.emulation.efficiency if cfg.emulation else DEFAULT_EFFICIENCY
     emulated = cfg.emulation is not None
     plan = (

@@ -43,7 +43,9 @@ def render(metrics: dict[str, Any], dilation: float | None, console: Console) ->
     """Per-device table, then throughput against the references; emulated figures say so."""
     emulated = metrics["emulated"]
     tag = " (emulated)" if emulated else ""
-    table = Table(title=f"hetero-ray{tag}: step {metrics['step'] + 1}, loss {metrics['loss']:.3f}")
+    evaluation = metrics.get("eval")
+    held_out = f", held-out loss {evaluation['loss']:.3f}" if evaluation else ""
+    table = Table(title=f"hetero-ray{tag}: step {metrics['step'] + 1}, loss {metrics['loss']:.3f}{held_out}")
     for col in ("rank", "GPU type", "prec.", "share", "micro", "step", "samples/s", "util."):
         table.add_column(col, justify="left" if col in ("GPU type", "prec.") else "right", no_wrap=True)
     for d in metrics["devices"]:
