@@ -315,12 +315,26 @@ def _plan_request(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
-    """Plan the devices of a cluster-launcher file; print the top plans, write the best."""
+    """Plan the devices of a cluster-launcher file, or a run config's as `train` will; print the top plans,
+    write the best."""
     from hetero_ray.cluster.catalog import load_catalog
-    from hetero_ray.plan.report import plan_command
+    from hetero_ray.plan.report import plan_command, show_plans
 
+    if args.config:
+        from hetero_ray.config import ConfigError, load_config
+        from hetero_ray.train.prepare import prepare
+
+        if args.cluster:
+            raise ConfigError("--config and --cluster: plan either a run config's devices or a cluster file's")
+        if args.output:
+            check_output(args.output, force=args.force)
+        cfg = load_config(args.config)
+        plan = prepare(cfg).plan
+        devices = ", ".join(f"{n} × {t}" for t, n in cfg.devices.items())
+        show_plans([plan], f"plan for {args.config}: {devices}", args.json, args.output, args.force, console)
+        return 0
     return plan_command(
-        cluster=args.cluster,
+        cluster=args.cluster or "cluster.yaml",
         req=_plan_request(args),
         catalog=load_catalog(args.gpus),
         as_json=args.json,
@@ -441,7 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--json", action="store_true", help="print the rows as one JSON object")
 
     plan = command("plan", cmd_plan, "plan pipelines and data parallelism for a cluster-launcher file")
-    plan.add_argument("--cluster", default="cluster.yaml", help="Ray cluster-launcher YAML (default cluster.yaml)")
+    plan.add_argument("--cluster", help="Ray cluster-launcher YAML (default cluster.yaml)")
+    plan.add_argument(
+        "--config", help="a run config: plan its devices, workload and batch as `train` will (instead of --cluster)"
+    )
     plan.add_argument("--output", default="plan.json", help="where to write the chosen Plan JSON (default plan.json)")
     _add_plan_arguments(plan)
 

@@ -505,6 +505,10 @@ CASES = [
          cli(train_plan(two_stage_plan, train={**BASE["train"], "eval_every": 1})),
          r"train\.eval_every: the evaluation runs on devices holding the whole model, and this plan pipelines "
          r"it; drop eval_every, or make data parallelism fit \(a smaller train\.max_micro_batch\)"),
+    Case("train-plan-other-workload", TRAIN, "`--plan` made for the GPT with `n_embd: 16`, the config's has 32",
+         cli(train_plan(two_device_plan, workload={"name": "gpt", "options": {**TINY_GPT, "n_embd": 32}})),
+         r'{dir}/plan\.json: the plan is for workload gpt .*"n_embd": 16.*, the config trains gpt .*"n_embd": 32.*; '
+         r"plan from the config \(hetero-ray plan --config\)"),
     Case("train-plan-malformed", TRAIN, "`--plan` file `{` (cut short)", cli(train_plan(lambda: "{")),
          r"{dir}/plan\.json: line 1, column 2: malformed JSON"),
     Case("train-plan-other-devices", TRAIN, "`--plan` for 1 × A100-80GB + 2 × V100-16GB, config 1 + 1",

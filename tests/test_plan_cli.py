@@ -54,6 +54,40 @@ def test_plan_writes_a_plan_that_from_dict_reads(cluster: Path, tmp_path: Path, 
     assert "chosen:" in capsys.readouterr().out
 
 
+def test_plan_from_a_run_config_is_the_plan_train_makes_and_records_its_workload(tmp_path: Path, capsys):
+    """`plan --config run.yaml` plans the config's devices, workload and batch through the path `train` takes;
+    the file names the workload, and `train --plan` accepts it for that config."""
+    import yaml
+
+    from hetero_ray.config import load_config
+    from hetero_ray.train.prepare import given_plan, prepare
+
+    run = tmp_path / "run.yaml"
+    options = json.loads(TINY)
+    run.write_text(
+        yaml.safe_dump(
+            {
+                "devices": {"A100-80GB": 2, "V100-16GB": 4},
+                "emulation": {"dilation": 1000},
+                "workload": {"name": "gpt", "options": options},
+                "train": {"global_batch": 48},
+                "run": {"name": "plan-test", "storage_path": str(tmp_path / "runs")},
+            }
+        )
+    )
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--config", str(run), "--output", str(out), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    plan = load_plan(str(out), catalog=load_catalog())
+    cfg = load_config(str(run))
+    prepared = prepare(cfg)
+    assert plan == Plan.from_dict(printed["plans"][0]) == prepared.plan
+    assert plan.workload == {"name": "gpt", "options": options}
+    assert given_plan(str(out), cfg, prepared.catalog, prepared.footprint).roles == plan.roles
+    assert main(["plan", "--config", str(run), "--cluster", "cluster.yaml"]) == 2
+    assert "--config and --cluster" in capsys.readouterr().err
+
+
 def test_output_has_normal_permissions_and_is_not_replaced_without_force(cluster: Path, tmp_path: Path, capsys):
     out = tmp_path / "plan.json"
     argv = ["plan", "--cluster", str(cluster), "--model-options", TINY, "--global-batch", "48", "--output", str(out)]

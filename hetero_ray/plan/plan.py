@@ -79,6 +79,8 @@ class Plan:
     schedule: str = "gpipe"
     # 1: Adam's state sharded over the data-parallel workers by the memory each has beyond weights and gradients.
     zero_stage: int = 0
+    # The workload ({"name": …, "options": {…}}) the plan was made for; None in plans written before it was kept.
+    workload: dict | None = None
     explanation: str = ""
     schema: int = field(default=2)
 

@@ -57,6 +57,11 @@ class _Exclusion(_Strict):
     reason: str
 
 
+class _Workload(_Strict):
+    name: str = Field(min_length=1)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
 class _Plan(_Strict):
     global_batch: int = Field(gt=0)
     # Descriptive only (the runtime reads the roles); planners name their splits freely.
@@ -69,6 +74,7 @@ class _Plan(_Strict):
     predicted_comm_fp32_s: float = Field(0.0, ge=0)
     schedule: str = "gpipe"
     zero_stage: int = Field(0, ge=0, le=1)
+    workload: _Workload | None = None
     explanation: str = ""
     schema_: Literal[2] = Field(SCHEMA, alias="schema")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from rich.console import Console
@@ -175,17 +175,28 @@ def plan_command(
         check_output(output, force=force)
     check_request(req)
     spec = load_cluster(cluster, catalog)
-    plans = search(spec.devices, catalog, footprint_of(req), spec.topology, req)
+    workload = {"name": req.model, "options": dict(req.model_options)}
+    plans = [
+        replace(p, workload=workload) for p in search(spec.devices, catalog, footprint_of(req), spec.topology, req)
+    ]
+    show_plans(
+        plans, f"plans for {', '.join(f'{n} × {t}' for t, n in spec.devices.items())}", as_json, output, force, console
+    )
+    return 0
+
+
+def show_plans(plans: list[Plan], title: str, as_json: bool, output: str | None, force: bool, console: Console) -> None:
+    """Write the best of ``plans`` to ``output`` (when given) and show them: a table and the chosen plan's
+    explanation, or one JSON object."""
     if output:
         write_json(output, plans[0].to_dict(), force=force)
     if as_json:
         print(json.dumps({"plans": [p.to_dict() for p in plans], "output": output}))
     else:
-        console.print(plans_table(plans, f"plans for {', '.join(f'{n} × {t}' for t, n in spec.devices.items())}"))
+        console.print(plans_table(plans, title))
         console.print(f"[bold]chosen:[/bold] {plans[0].explanation}")
         if output:
             console.print(f"wrote {output}")
-    return 0
 
 
 # Each mix is one planner search (0.2-0.25 s at 512-4096 GPUs here, bench/planner.py): 2,000 are minutes.

@@ -5,6 +5,7 @@ Nothing here touches Ray, so bad input is rejected in seconds, before any cluste
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections import Counter
@@ -183,11 +184,17 @@ def check_held_out(cfg: RunConfig, footprint: Footprint) -> None:
         )
 
 
+def workload_of(cfg: RunConfig) -> dict:
+    """The workload a plan for ``cfg`` is made for, as plans record it."""
+    return {"name": cfg.workload.name, "options": dict(cfg.workload.options)}
+
+
 def check_plan(plan: Plan, footprint: Footprint, cfg: RunConfig) -> Plan:
     """``plan``, unless it cuts what the run needs whole: the evaluation runs on devices holding the whole
     model; a workload that normalises over the batch (BatchNorm) needs each device's whole share at once
     (``train/batch_norm.py`` shares statistics across devices exactly, but not across one device's
-    micro-batches, pipeline stages or a re-split mid-run)."""
+    micro-batches, pipeline stages or a re-split mid-run). Returned with the workload recorded."""
+    plan = replace(plan, workload=workload_of(cfg))
     if plan.is_pipelined and cfg.train.eval_every:
         raise PlanError(
             "train.eval_every: the evaluation runs on devices holding the whole model, and this plan pipelines "
@@ -223,6 +230,13 @@ def given_plan(path: str, cfg: RunConfig, catalog: Catalog, footprint: Footprint
         raise PlanError(
             f"{path}: the plan is for devices {dict(Counter(planned))}, the config has {dict(cfg.devices)}; "
             "plan for the config's devices (hetero-ray plan)"
+        )
+    if plan.workload is not None and plan.workload != workload_of(cfg):
+        made, given = plan.workload, workload_of(cfg)
+        raise PlanError(
+            f"{path}: the plan is for workload {made['name']} {json.dumps(made['options'], sort_keys=True)}, the "
+            f"config trains {given['name']} {json.dumps(given['options'], sort_keys=True)}; plan from the config "
+            "(hetero-ray plan --config)"
         )
     if plan.global_batch != cfg.train.global_batch:
         raise PlanError(
