@@ -236,6 +236,11 @@ class OptimizerConfig(_Strict):
         description="ZeRO stage: 1 shards Adam's state across the data-parallel devices in proportion to the "
         "memory each has to spare; 1-bit optimizers and pipelined plans need 0.",
     )
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict,
+        description="onebit_adam / zero_one_adam: more DeepSpeed config, merged into the one hetero-ray writes "
+        "(e.g. {optimizer: {params: {eps: 1.0e-6}}}); a key hetero-ray sets must keep its value.",
+    )
 
     @model_validator(mode="after")
     def _no_zero_with_onebit(self) -> OptimizerConfig:
@@ -245,6 +250,11 @@ class OptimizerConfig(_Strict):
             )
         if self.zero_stage > 1:
             raise ValueError(f"ZeRO stage {self.zero_stage} is not supported yet; set optimizer.zero_stage: 0 or 1")
+        if self.deepspeed and self.name not in ONEBIT_OPTIMIZERS:
+            raise ValueError(
+                f"deepspeed: {self.name} runs on hetero-ray's own engine, not DeepSpeed; the DeepSpeed config "
+                "applies to onebit_adam and zero_one_adam"
+            )
         return self
 
     def warmup_steps(self, total_steps: int) -> int:

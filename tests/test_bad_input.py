@@ -400,6 +400,16 @@ CASES = [
          cli(train(lambda d: config(d, train__eval_every=1, train__eval_samples=1))),
          r"train\.eval_samples: 1 is fewer than the 2 workers that share the evaluation; hold out at "
          r"least one sample per worker"),
+    Case("deepspeed-with-adam", TRAIN, "`optimizer: {deepspeed: {wall_clock_breakdown: true}}`",
+         cli(train(lambda d: config(d, optimizer={"deepspeed": {"wall_clock_breakdown": True}}))),
+         rf"{CFG}: optimizer: deepspeed: adam runs on hetero-ray's own engine, not DeepSpeed; the DeepSpeed config "
+         r"applies to onebit_adam and zero_one_adam"),
+    Case("deepspeed-key-conflict", TRAIN,
+         "`optimizer: {name: onebit_adam, deepspeed: {zero_optimization: {stage: 2}}}`",
+         cli(train(lambda d: config(d, optimizer={"name": "onebit_adam", "freeze_step": 1,
+                                                   "deepspeed": {"zero_optimization": {"stage": 2}}}))),
+         r"optimizer\.deepspeed\.zero_optimization\.stage: 2 conflicts with hetero-ray's 0 \(set from the run "
+         r"config and the plan\); drop it, or set it through the run config"),
     Case("unknown-optimizer", TRAIN, "`optimizer: {name: lamb}`", cli(train(lambda d: config(d, optimizer={"name": "lamb"}))),
          rf"{CFG}: optimizer\.name: .*'adam', 'onebit_adam' or 'zero_one_adam'"),
     Case("zero-link-bandwidth", TRAIN, "`link: {bandwidth_gbps: 0}`",

@@ -576,3 +576,23 @@ def test_initialize_on_gloo_needs_the_compressed_backend_name() -> None:
     config = {"optimizer": {"type": "OneBitAdam", "params": {"comm_backend_name": "nccl"}}}
     with pytest.raises(ConfigError, match=r"^deepspeed config: optimizer.params.comm_backend_name is 'nccl'"):
         initialize_on_gloo(config=config)
+
+
+def test_a_user_deepspeed_config_merges_into_the_one_hetero_ray_writes() -> None:
+    """Keys hetero-ray does not set pass through, nested ones too; its own keep their values."""
+    from hetero_ray.config import parse_config
+    from hetero_ray.train.sync import deepspeed_config
+
+    user = {"optimizer": {"params": {"eps": 1e-6}}, "wall_clock_breakdown": True, "train_batch_size": 4}
+    cfg = parse_config(
+        {
+            "devices": {"A100-80GB": 2, "V100-16GB": 2},
+            "optimizer": {"name": "onebit_adam", "freeze_step": 3, "deepspeed": user},
+            "train": {"steps": 10},
+        }
+    )
+    merged = deepspeed_config(cfg, 4, on_gpu=False)
+    assert merged["optimizer"]["params"]["eps"] == 1e-6 and merged["wall_clock_breakdown"] is True
+    assert merged["optimizer"]["params"]["freeze_step"] == 3 and merged["optimizer"]["type"] == "OneBitAdam"
+    with pytest.raises(ConfigError, match=r"optimizer\.deepspeed\.train_batch_size: 4 conflicts with hetero-ray's 2"):
+        deepspeed_config(cfg, 2, on_gpu=False)

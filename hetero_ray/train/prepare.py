@@ -26,6 +26,7 @@ from hetero_ray.plan.plan import Infeasible, Plan, PlanError
 from hetero_ray.plan.plan_file import load_plan
 from hetero_ray.plan.stages import MeasuredSpeeds
 from hetero_ray.plan.topology import NodeKind, Topology
+from hetero_ray.train.sync import deepspeed_config
 from hetero_ray.workloads import build_workload
 
 # Modelled step times are stretched to this multiple of what the CPU needs, so
@@ -289,6 +290,9 @@ def prepare(cfg: RunConfig, plan_path: str | None = None) -> Prepared:
     if problem:
         raise ConfigError(f"train.global_batch: {problem}")
     check_held_out(cfg, footprint)
+    if cfg.optimizer.name in ONEBIT_OPTIMIZERS:
+        # The user's DeepSpeed keys against ours, before any worker starts DeepSpeed.
+        deepspeed_config(cfg, cfg.num_workers, on_gpu=cfg.emulation is None)
     efficiency = cfg.emulation.efficiency if cfg.emulation else DEFAULT_EFFICIENCY
     emulated = cfg.emulation is not None
     plan = (

@@ -221,7 +221,7 @@ def deepspeed_config(cfg: RunConfig, world: int, on_gpu: bool) -> dict:
             "local_step_scaler": opt.local_step_scaler,
             "local_step_clipper": opt.local_step_clipper,
         }
-    return {
+    ours = {
         "train_batch_size": world,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -230,6 +230,25 @@ def deepspeed_config(cfg: RunConfig, world: int, on_gpu: bool) -> dict:
         "zero_optimization": {"stage": 0},
         "steps_per_print": 2**31 - 1,
     }
+    return merge_config(ours, opt.deepspeed)
+
+
+def merge_config(ours: dict, theirs: dict, where: str = "optimizer.deepspeed") -> dict:
+    """``ours`` with ``theirs`` merged in, key by key; a key both set to different values is a ``ConfigError``
+    naming it (hetero-ray's values carry its split, its accumulation and its run config)."""
+    merged = dict(ours)
+    for key, value in theirs.items():
+        path = f"{where}.{key}"
+        if isinstance(value, dict) and isinstance(ours.get(key), dict):
+            merged[key] = merge_config(ours[key], value, path)
+        elif key in ours and ours[key] != value:
+            raise ConfigError(
+                f"{path}: {value!r} conflicts with hetero-ray's {ours[key]!r} (set from the run config and the "
+                "plan); drop it, or set it through the run config"
+            )
+        else:
+            merged[key] = value
+    return merged
 
 
 # DeepSpeed's per-tensor sizing and error-feedback state: it re-derives the sizes and resets
