@@ -1,4 +1,5 @@
-"""Run a function on several gloo ranks in spawned processes, as a launcher would (no Ray)."""
+"""Run a function on several gloo ranks in spawned processes, as a launcher would (no Ray); the roles such
+ranks play."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from hetero_ray.plan.plan import WorkerRole
 
 
 def free_port() -> int:
@@ -36,3 +39,19 @@ def run_ranks(fn: Callable[..., dict], world: int, out: Path, *args: Any) -> lis
     """Run ``fn(rank, world, *args)`` in ``world`` processes; each rank's returned dict, by rank."""
     mp.spawn(_rank_main, args=(fn, world, free_port(), out, args), nprocs=world, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+def worker_role(local: int, offset: int, *, micro: int | None = None, precision: str = "fp32", **layout) -> WorkerRole:
+    """An A100-80GB's role: ``local`` samples from ``offset``, in micro-batches of ``micro`` (default: all at
+    once); ``layout``: pipeline, stage, layers, activation_checkpointing. Predictions are placeholders."""
+    return WorkerRole(
+        gpu_type="A100-80GB",
+        local_batch=local,
+        micro_batch=micro or local,
+        sample_offset=offset,
+        precision=precision,
+        predicted_compute_s=1.0,
+        predicted_memory_bytes=1.0,
+        memory_cap_bytes=1,
+        **layout,
+    )

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import run_ranks
+from ranks import run_ranks, worker_role
 
 from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.cluster.emulated_device import EmulatedDevice, PaddedModule
@@ -33,19 +33,8 @@ CONFIG = {"devices": {"A100-80GB": 1}, "train": {"global_batch": GLOBAL_BATCH, "
 def role(
     pipeline: int, stage: int, layers: tuple[int, int] | None, local: int, micro: int, offset: int, ckpt: bool = False
 ) -> WorkerRole:
-    return WorkerRole(
-        gpu_type="A100-80GB",
-        local_batch=local,
-        micro_batch=micro,
-        sample_offset=offset,
-        precision="fp32",
-        predicted_compute_s=1.0,
-        predicted_memory_bytes=1.0,
-        memory_cap_bytes=1,
-        pipeline=pipeline,
-        stage=stage,
-        layers=layers,
-        activation_checkpointing=ckpt,
+    return worker_role(
+        local, offset, micro=micro, pipeline=pipeline, stage=stage, layers=layers, activation_checkpointing=ckpt
     )
 
 

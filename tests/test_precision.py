@@ -9,7 +9,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from ranks import run_ranks
+from ranks import run_ranks, worker_role
 
 from hetero_ray.config import parse_config
 from hetero_ray.plan.plan import WorkerRole
@@ -22,19 +22,6 @@ from hetero_ray.workloads import build_workload
 OPTIONS = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "corpus_bytes": 50_000}
 GLOBAL_BATCH, SEED = 12, 5
 CONFIG = {"devices": {"A100-80GB": 1}, "train": {"global_batch": GLOBAL_BATCH, "lr": 1e-3, "seed": SEED}}
-
-
-def role(precision: str, local: int, micro: int, offset: int) -> WorkerRole:
-    return WorkerRole(
-        gpu_type="A100-80GB",
-        local_batch=local,
-        micro_batch=micro,
-        sample_offset=offset,
-        precision=precision,
-        predicted_compute_s=1.0,
-        predicted_memory_bytes=1.0,
-        memory_cap_bytes=1,
-    )
 
 
 def train_ranks(rank: int, world: int, roles: list[WorkerRole], steps: int, poison_step: int | None) -> dict:
@@ -102,7 +89,11 @@ def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
 
 
-MIXED = [role("bf16", 6, 6, 0), role("fp16", 4, 2, 6), role("fp32", 2, 2, 10)]
+MIXED = [
+    worker_role(6, 0, precision="bf16"),
+    worker_role(4, 6, micro=2, precision="fp16"),
+    worker_role(2, 10, micro=2, precision="fp32"),
+]
 
 
 def test_bf16_fp16_and_fp32_ranks_train_one_model(tmp_path):
@@ -134,7 +125,14 @@ def test_a_bf16_split_sums_the_gradient_one_bf16_process_computes(tmp_path):
     """Two bf16 ranks at 2 : 1 against one bf16 process on the whole batch: the first step's summed gradient,
     within TOLERANCE; one bf16 process is itself that far from fp32 (and an fp32 split is within 1e-5 of one
     fp32 process: test_buckets, test_training)."""
-    split = run_ranks(train_ranks, 2, tmp_path, [role("bf16", 8, 8, 0), role("bf16", 4, 4, 8)], 1, None)
+    split = run_ranks(
+        train_ranks,
+        2,
+        tmp_path,
+        [worker_role(8, 0, precision="bf16"), worker_role(4, 8, precision="bf16")],
+        1,
+        None,
+    )
     bf16, fp32 = one_process("bf16", 1)["first_grads"], one_process("fp32", 1)["first_grads"]
     assert relative_error(split[0]["first_grads"], bf16) <= TOLERANCE
     assert relative_error(bf16, fp32) <= TOLERANCE

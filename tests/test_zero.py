@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from ranks import run_ranks
+from ranks import run_ranks, worker_role
 
 from hetero_ray.config import parse_config
 from hetero_ray.plan.plan import WorkerRole
@@ -19,19 +19,6 @@ from hetero_ray.workloads import build_workload
 
 OPTIONS = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "corpus_bytes": 50_000}
 GLOBAL_BATCH, SEED, STEPS = 12, 11, 6
-
-
-def role(local: int, offset: int) -> WorkerRole:
-    return WorkerRole(
-        gpu_type="A100-80GB",
-        local_batch=local,
-        micro_batch=local,
-        sample_offset=offset,
-        precision="fp32",
-        predicted_compute_s=1.0,
-        predicted_memory_bytes=1.0,
-        memory_cap_bytes=1,
-    )
 
 
 def config(zero_stage: int) -> object:
@@ -98,7 +85,7 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-TWO_TO_ONE = [role(8, 0), role(4, 8)]
+TWO_TO_ONE = [worker_role(8, 0), worker_role(4, 8)]
 
 
 def test_shards_by_weight_tile_the_parameters():
@@ -131,7 +118,7 @@ def test_a_checkpoint_resumes_on_another_zero_stage_and_device_set(tmp_path):
     three without ZeRO on two ranks, resumed with ZeRO-1 on three (shards 1 : 1 : 2): both end where six steps
     of one process end (1e-5)."""
     want_model, _ = one_process(STEPS)
-    three = [role(6, 0), role(4, 6), role(2, 10)]
+    three = [worker_role(6, 0), worker_role(4, 6), worker_role(2, 10)]
     for first, second in (((1, [3.0, 1.0]), (0, [1.0] * 3)), ((0, [1.0, 1.0]), (1, [1.0, 1.0, 2.0]))):
         torch.save(
             run_ranks(train_ranks, 2, tmp_path, TWO_TO_ONE, *first, range(3), None)[0]["whole"], tmp_path / "half"
