@@ -243,7 +243,7 @@ class OptimizerConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _no_zero_with_onebit(self) -> OptimizerConfig:
+    def _fits_the_optimizer(self) -> OptimizerConfig:
         if self.zero_stage > 0 and self.name in ONEBIT_OPTIMIZERS:
             raise ValueError(
                 f"{self.name} is not compatible with ZeRO (stage {self.zero_stage}); set optimizer.zero_stage: 0"
