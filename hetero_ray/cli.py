@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetero_ray.config import OPTIMIZERS
-from hetero_ray.output import check_output, write_json
+from hetero_ray.output import check_output, write_json, write_json_uri
 from hetero_ray.plan.memory import SCHEDULES
 from hetero_ray.suggest import did_you_mean
 
@@ -24,7 +24,7 @@ from hetero_ray.suggest import did_you_mean
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from hetero_ray.config import RunConfig
+    from hetero_ray.config import RunConfig, RunSection
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 # What `train` leaves beside a run's checkpoints, in the run's storage.
@@ -68,21 +68,25 @@ def positive_float(text: str) -> float:
 
 
 def _finish(
-    result, args, console: Console, extra: dict[str, Any] | None = None, *, run_dir: Path | None = None
+    result, args, console: Console, extra: dict[str, Any] | None = None, *, run: RunSection | None = None
 ) -> None:
-    """Write the result to ``--output`` and, given ``run_dir``, beside the run's checkpoints as ``result.json``
-    (a job's ``--output`` lands in its working directory on the head; the run's storage is where the user
-    reads it); then print it."""
+    """Write the result to ``--output`` and, given the ``run``, beside its checkpoints as ``result.json`` (a
+    job's ``--output`` lands in its working directory on the head; the run's storage, local or a URI, is where
+    the user reads it); then print it."""
     from hetero_ray.train.summary import render, summarise
 
     out = {**result.to_dict(), "summary": summarise(result.metrics, result.dilation), **(extra or {})}
     if args.output:
         write_json(args.output, out, force=args.force)
-    if run_dir is not None:
+    if run is not None:
         # The run's own record, renewed by every run of that name, as its checkpoints are.
-        write_json(run_dir / RESULT_FILE, out, force=True)
+        if run.run_dir is not None:
+            write_json(run.run_dir / RESULT_FILE, out, force=True)
+            where = str(run.run_dir / RESULT_FILE)
+        else:
+            where = write_json_uri(run.run_uri, RESULT_FILE, out)
         if not args.json:
-            console.print(f"result: {run_dir / RESULT_FILE}")
+            console.print(f"result: {where}")
     if args.json:
         print(json.dumps(out))
     else:
@@ -107,7 +111,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         result = run_training(cfg, prepared)
     finally:
         ray.shutdown()
-    _finish(result, args, console, run_dir=cfg.run.run_dir)
+    _finish(result, args, console, run=cfg.run)
     return 0
 
 
@@ -119,6 +123,11 @@ def _demo_config(args: argparse.Namespace, console: Console) -> RunConfig:
     cfg = load_config(args.config, {"train": train})
     if cfg.emulation is None:
         raise ConfigError(f"{args.config}: the demo needs an 'emulation' section")
+    if cfg.run.run_dir is None:
+        raise ConfigError(
+            f"run.storage_path: {cfg.run.storage_path} is a URI; the demo writes its profile and plot beside the "
+            "run, so give it a local folder"
+        )
     if cfg.emulation.throttled:
         try:
             find_cpu_root()

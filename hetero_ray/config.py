@@ -270,14 +270,26 @@ class RunStorage(_Strict):
     storage_path: str = "~/hetero-ray-runs"
 
     @property
-    def storage_dir(self) -> Path:
-        """``storage_path`` with ``~`` expanded: what Ray Train is given."""
-        return Path(self.storage_path).expanduser()
+    def is_uri(self) -> bool:
+        """Whether the storage is a URI (``s3://``, ``gs://``, ``file://``…), read through pyarrow's filesystems."""
+        return "://" in self.storage_path
 
     @property
-    def run_dir(self) -> Path:
-        """The run's folder under the storage, where Ray Train keeps its checkpoints."""
-        return self.storage_dir / self.name
+    def storage(self) -> str:
+        """What Ray Train is given: a URI as written (query included), a local path with ``~`` expanded."""
+        return self.storage_path if self.is_uri else str(Path(self.storage_path).expanduser())
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run's local folder under the storage, where Ray Train keeps its checkpoints; ``None`` when the
+        storage is a URI."""
+        return None if self.is_uri else Path(self.storage) / self.name
+
+    @property
+    def run_uri(self) -> str:
+        """The run's folder as a URI or path: where its result is written beside its checkpoints."""
+        base, _, query = self.storage.partition("?")
+        return f"{base.rstrip('/')}/{self.name}" + (f"?{query}" if query else "")
 
 
 class RunConfig(_Strict):

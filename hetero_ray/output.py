@@ -62,3 +62,15 @@ def write_json(path: str | os.PathLike[str], data: Any, *, force: bool = False) 
     """``data`` as indented JSON at ``path`` (see ``check_output`` and ``write_atomically``)."""
     path = check_output(path, force=force)
     write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
+
+
+def write_json_uri(uri: str, name: str, data: Any) -> str:
+    """Write ``data`` as JSON to ``name`` in the folder ``uri`` (a URI pyarrow's filesystems read, query
+    included, e.g. ``s3://bucket/runs/run?endpoint_override=…``); the path written."""
+    import pyarrow.fs
+
+    fs, folder = pyarrow.fs.FileSystem.from_uri(uri)
+    path = f"{folder.rstrip('/')}/{name}"
+    with fs.open_output_stream(path) as out:
+        out.write(json.dumps(data, indent=2).encode() + b"\n")
+    return path

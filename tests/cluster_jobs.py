@@ -64,8 +64,9 @@ def ray_cli(cluster: EmulatedCluster, *args: str, timeout: float = 60) -> str:
     return out.stdout
 
 
-def submit(cluster: EmulatedCluster, tmp: Path, cfg: dict) -> tuple[str, Path]:
-    """`ray job submit --no-wait` of jobs/train.py; returns (submission id, result path)."""
+def submit(cluster: EmulatedCluster, tmp: Path, cfg: dict, env: dict[str, str] | None = None) -> tuple[str, Path]:
+    """`ray job submit --no-wait` of jobs/train.py (``env``: more environment for the job and its workers);
+    returns (submission id, result path)."""
     cfg_path, out_path = tmp / f"{cfg['run']['name']}.yaml", tmp / f"{cfg['run']['name']}-{uuid.uuid4().hex[:6]}.json"
     cfg_path.write_text(yaml.safe_dump(cfg))
     job_id = f"test-{uuid.uuid4().hex[:8]}"
@@ -79,7 +80,7 @@ def submit(cluster: EmulatedCluster, tmp: Path, cfg: dict) -> tuple[str, Path]:
         # After a lost node, Ray Train first asks for the old group size until this times out
         # (default 60 s) and only then re-plans on what is left; tests need not wait that long.
         "--runtime-env-json",
-        json.dumps({"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"}}),
+        json.dumps({"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15", **(env or {})}}),
         "--",
         sys.executable,
         str(REPO / "jobs" / "train.py"),

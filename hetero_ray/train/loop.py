@@ -453,8 +453,9 @@ def _report(metrics, whole: tuple[dict, dict] | None, history, step, plan: Plan,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _restore(model, sync, run_dir: Path) -> tuple[int, list]:
-    """Load the run's newest checkpoint (``restore_dir``); return (first step to run, loss history)."""
+def _restore(model, sync, run_dir: Path | None) -> tuple[int, list]:
+    """Load the run's newest checkpoint (``restore_dir``; ``run_dir`` None: storage behind a URI, Ray Train's
+    own); return (first step to run, loss history)."""
     checkpoint = ray.train.get_checkpoint()
     with checkpoint.as_directory() if checkpoint else nullcontext() as latest:
         found = restore_dir(latest, run_dir)

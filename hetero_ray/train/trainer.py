@@ -75,7 +75,7 @@ def run_training(cfg: RunConfig, prepared: Prepared | None = None, progress: Any
         scaling_config=scaling,
         run_config=RayRunConfig(
             name=cfg.run.name,
-            storage_path=str(cfg.run.storage_dir),
+            storage_path=cfg.run.storage,
             checkpoint_config=CheckpointConfig(num_to_keep=3),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
         ),
