@@ -335,6 +335,14 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
         if args.cluster:
             raise ConfigError("--config and --cluster: plan either a run config's devices or a cluster file's")
+        # The options a plan of a cluster file takes; a run config says all of them itself.
+        alone = vars(build_parser().parse_args(["plan", "--config", args.config]))
+        given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if k in PLAN_OPTIONS and v != alone[k]]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)}: --config plans what the run config says; set it there, or plan a cluster "
+                "file (--cluster)"
+            )
         if args.output:
             check_output(args.output, force=args.force)
         cfg = load_config(args.config)
@@ -394,6 +402,19 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
     from tuning.sweep import command
 
     return command(args, console)
+
+
+PLAN_OPTIONS = (
+    "model",
+    "model_options",
+    "global_batch",
+    "optimizer",
+    "efficiency",
+    "max_stages",
+    "schedule",
+    "top",
+    "gpus",
+)
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:

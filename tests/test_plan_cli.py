@@ -86,6 +86,8 @@ def test_plan_from_a_run_config_is_the_plan_train_makes_and_records_its_workload
     assert given_plan(str(out), cfg, prepared.catalog, prepared.footprint).roles == plan.roles
     assert main(["plan", "--config", str(run), "--cluster", "cluster.yaml"]) == 2
     assert "--config and --cluster" in capsys.readouterr().err
+    assert main(["plan", "--config", str(run), "--global-batch", "96", "--model", "gpt"]) == 2
+    assert "--global-batch: --config plans what the run config says" in capsys.readouterr().err
 
 
 def test_output_has_normal_permissions_and_is_not_replaced_without_force(cluster: Path, tmp_path: Path, capsys):
