@@ -140,6 +140,19 @@ def test_batch_norm_under_an_uneven_split_trains_like_one_process(cluster, tmp_p
     assert max_abs_diff(got, want) <= 1e-5
 
 
+def test_devices_the_plan_leaves_out_are_not_reserved(cluster, tmp_path):
+    """With 0.8 MiB V100s the plan gives the tests' model to the A100s alone: only their two workers start (the
+    V100s stay free for other work), on the plan made before launch, and the run ends where one process ends."""
+    cfg = run_config(tmp_path / "runs", "left-out") | {"gpus_file": str(SMALL_MEMORY)}
+    job_id, out = submit(cluster, tmp_path, cfg)
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    result = json.loads(out.read_text())
+    assert sorted(d["gpu_type"] for d in result["metrics"]["devices"]) == ["A100-80GB", "A100-80GB"]
+    plan = Plan.from_dict(result["metrics"]["plan"])
+    assert plan.excluded[0].gpu_type == "V100-16GB" and plan.excluded[0].count == 2
+    assert max_abs_diff(final_params(result), single_process_reference()) <= 1e-5
+
+
 def test_zero_stage_1_trains_on_cards_too_small_for_the_whole_state_like_one_process(cluster, tmp_path):
     """With 2 MiB A100s and 0.8 MiB V100s (tests/data/small-memory-gpus.yaml) plain data parallelism leaves
     the V100s out. ZeRO-1 shards Adam's state by spare memory: all four train at 2 : 1 under their emulated

@@ -411,11 +411,13 @@ def _metrics(
 
 
 def _plan(payload, cfg: RunConfig, rank_types, catalog, footprint, emulated: bool) -> Plan:
-    """The plan the driver chose (``--plan``) when it fits these workers, else one made for them."""
+    """The plan the driver chose (``--plan``) when it fits these workers (all its devices, or those it gives
+    samples when its excluded ones were not started), else one made for them."""
     if payload.get("plan") is not None:
         plan = Plan.from_dict(payload["plan"])
-        planned = [r.gpu_type for r in plan.roles] + [e.gpu_type for e in plan.excluded for _ in range(e.count)]
-        if sorted(planned) == sorted(rank_types):
+        working = [r.gpu_type for r in plan.roles]
+        excluded = [e.gpu_type for e in plan.excluded for _ in range(e.count)]
+        if sorted(rank_types) in (sorted(working), sorted(working + excluded)):
             return plan
     return plan_for(cfg, rank_types, catalog, footprint, payload["efficiency"], emulated=emulated)
 

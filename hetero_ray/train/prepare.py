@@ -60,6 +60,22 @@ def rank_types(cfg: RunConfig) -> list[str]:
     return [t for t, n in cfg.devices.items() for _ in range(n)]
 
 
+def reserved_types(cfg: RunConfig, plan: Plan) -> list[str]:
+    """The workers to start, one GPU type each in the config's order: every device but those the plan leaves
+    without samples (they would hold a GPU and do nothing). An elastic run reserves them all: after a loss
+    its re-plan may need them."""
+    if cfg.elastic:
+        return rank_types(cfg)
+    left = Counter({e.gpu_type: e.count for e in plan.excluded})
+    reserved = []
+    for t in rank_types(cfg):
+        if left[t]:
+            left[t] -= 1
+        else:
+            reserved.append(t)
+    return reserved
+
+
 def topology_for(cfg: RunConfig, catalog: Catalog, types: list[str]) -> Topology:
     """The links the planner prices: every link is ``cfg.link`` (the slowest link, which an emulated
     cluster pads every synchronisation to), or free when the config names none (nothing is priced

@@ -13,7 +13,7 @@ from ray.train.torch import TorchTrainer
 from hetero_ray.cluster.emulation import EMULATED_RESOURCE, GPU_TYPE_LABEL
 from hetero_ray.config import ConfigError, RunConfig
 from hetero_ray.train.loop import train_worker
-from hetero_ray.train.prepare import Prepared, prepare, rank_types
+from hetero_ray.train.prepare import Prepared, prepare, reserved_types
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +53,8 @@ def run_training(cfg: RunConfig, prepared: Prepared | None = None, progress: Any
         workers, selector = (cfg.train.min_workers, cfg.num_workers), {GPU_TYPE_LABEL: f"in({','.join(cfg.devices)})"}
         elastic = {"elastic_resize_monitor_interval_s": cfg.train.resize_check_s}
     else:
-        workers, selector, elastic = cfg.num_workers, [{GPU_TYPE_LABEL: t} for t in rank_types(cfg)], {}
+        types = reserved_types(cfg, prepared.plan)
+        workers, selector, elastic = len(types), [{GPU_TYPE_LABEL: t} for t in types], {}
     scaling = ScalingConfig(
         num_workers=workers,
         use_gpu=not emulated,
