@@ -29,6 +29,9 @@ def _rank_main(rank: int, fn: Callable[..., dict], world: int, port: int, out: P
     )
     try:
         result = fn(rank, world, *args)
+        if dist.is_initialized():
+            # No rank tears its group down while another still talks to it: gloo can abort the process then.
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -46,8 +46,10 @@ class TorchAdam:
     views into flat chunks, each all-reduced (in ``train.reduce_dtype``) while the
     backward goes on. fp16 ranks reduce after their local unscale (scales differ by
     rank), and all ranks skip a step together when any gradient is not finite.
-    Optimizer state is saved by position in ``model.parameters()``, so a checkpoint
-    loads on any plan.
+    ``train.grad_clip`` scales the summed gradient down to that global norm on every
+    rank alike. Under ZeRO-1 (``train/zero.py``) a rank's AdamW holds its shard's slices
+    alone and each owner broadcasts its update. Optimizer state is saved by position in
+    ``model.parameters()``, so a checkpoint loads on any plan and any ZeRO stage.
     """
 
     loss_weight = 1.0
