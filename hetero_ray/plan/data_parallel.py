@@ -89,7 +89,7 @@ def plan_data_parallel(
         need = footprint.memory_bytes(1, activation_scale(precisions[worst]))
         if zero_stage:
             return Infeasible(
-                f"model needs {_held_bytes(footprint) / GiB:.1f} GiB of weights and gradients per device and "
+                f"model needs {held_bytes(footprint) / GiB:.1f} GiB of weights and gradients per device and "
                 f"{footprint.param_count * ADAM_STATE_BYTES / GiB:.1f} GiB of Adam state across them (ZeRO-1), "
                 "more than these devices hold at micro-batch 1; use a smaller model or more memory"
             )
@@ -110,7 +110,7 @@ def plan_data_parallel(
         per_sample,
         caps,
         footprint,
-        static_bytes=[_held_bytes(footprint) + state[i] for i in usable],
+        static_bytes=[held_bytes(footprint) + state[i] for i in usable],
     )
     world = len(rank_types)
     numels = footprint.param_numels or (footprint.param_count,)
@@ -145,8 +145,9 @@ def memory_fits(
     return fits, [footprint.param_count * ADAM_STATE_BYTES] * len(specs)
 
 
-def _held_bytes(footprint: Footprint) -> float:
-    """Weights and gradients: what every data-parallel worker holds whole under ZeRO-1."""
+def held_bytes(footprint: Footprint) -> float:
+    """Weights and gradients: what every data-parallel worker holds whole under ZeRO-1 (the engine's shards,
+    ``train/zero.py::spare_memory``, are sized by what is left beyond them)."""
     return footprint.param_count * WEIGHT_AND_GRAD_BYTES
 
 
@@ -160,7 +161,7 @@ def sharded_state(
     fraction of that spare memory to state and the rest to activations. A device without room for one
     sample after its share drops out, which raises the others' shares: repeated until all that remain fit.
     """
-    held, state = _held_bytes(footprint), footprint.param_count * ADAM_STATE_BYTES
+    held, state = held_bytes(footprint), footprint.param_count * ADAM_STATE_BYTES
     spare = [s.memory_bytes - held for s in specs]
     per_sample = [footprint.activation_bytes_per_sample * activation_scale(p) for p in precisions]
     members = {i for i, x in enumerate(spare) if x > 0}
@@ -224,7 +225,7 @@ def _exclusions(specs, precisions, fits, footprint: Footprint, *, sharded: bool)
     for spec, prec, fit in zip(specs, precisions, fits):
         if fit < 1:
             if sharded:
-                need = (_held_bytes(footprint) + footprint.activation_bytes_per_sample * activation_scale(prec)) / GiB
+                need = (held_bytes(footprint) + footprint.activation_bytes_per_sample * activation_scale(prec)) / GiB
                 reason = (
                     f"ZeRO-1: weights, gradients and one sample ({need:.1f} GiB) leave too little of its "
                     f"{spec.memory_gib:g} GiB for a share of Adam's state"

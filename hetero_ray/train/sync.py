@@ -152,7 +152,7 @@ class TorchAdam:
         start = time.perf_counter()
         self.sharded.share_updates()
         world = dist.get_world_size()
-        sent = 4 * sum(f.numel() for f in self.sharded.flats) * (world - 1) / world
+        sent = sum(f.numel() * f.element_size() for f in self.sharded.flats) * (world - 1) / world
         if self.link:
             self.link.hold(self.link.send(start, sent, world - 1), start)
         return sent
