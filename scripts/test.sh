@@ -6,5 +6,5 @@ python3 -m venv .venv
 . .venv/bin/activate
 pip install --quiet --upgrade pip
 # torch==2.13.0 is the CPU build on this project's machines; on a GPU machine install your CUDA build first.
-pip install --quiet torch==2.13.0 -e '.[dev]'
+pip install --quiet torch==2.13.0 -e '.[dev,models]'
 python -m pytest "$@"

@@ -179,13 +179,15 @@ def gather_whole_state(
     part = None
     role = roles[rank]
     if role is not None and role.pipeline == 0:
-        names = {id(m): n for n, m in model.named_modules()}
+        # By tensor, not by module path: a layer may be a wrapper the model does not hold (the cut points of
+        # transformers' models), and a tied tensor has a key per name.
+        keys: dict[int, list[str]] = {}
+        for k, t in model.state_dict(keep_vars=True).items():
+            keys.setdefault(id(t), []).append(k)
         # Pipeline 0 may be one whole-model replica beside staged pipelines.
         first, last = role.layers or (0, len(layers))
-        part = (
-            {f"{names[id(layer)]}.{k}": v for layer in layers[first:last] for k, v in layer.state_dict().items()},
-            sync.state_dict(),
-        )
+        mine = [t for layer in layers[first:last] for t in layer.state_dict(keep_vars=True).values()]
+        part = ({k: t.detach() for t in mine for k in keys[id(t)]}, sync.state_dict())
     parts: list = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(part, parts, dst=0)
     if rank != 0:

@@ -55,7 +55,14 @@ class WorkloadError(ValueError):
     """A workload name that does not resolve, or a factory that returns the wrong thing."""
 
 
-BUILTIN = {"gpt": "hetero_ray.workloads.gpt:build", "cnn": "hetero_ray.workloads.cnn:build"}
+BUILTIN = {
+    "gpt": "hetero_ray.workloads.gpt:build",
+    "cnn": "hetero_ray.workloads.cnn:build",
+    "hf-gpt2": "hetero_ray.workloads.ecosystem:gpt2",
+    "hf-llama": "hetero_ray.workloads.ecosystem:llama",
+    "hf-bert": "hetero_ray.workloads.ecosystem:bert",
+    "resnet": "hetero_ray.workloads.ecosystem:resnet",
+}
 
 
 def _keywords(factory: Callable[..., Any]) -> list[str]:

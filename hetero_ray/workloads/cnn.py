@@ -19,17 +19,17 @@ CLASSES = 4
 
 
 class QuadrantImages(Dataset):
-    """``samples`` single-channel ``size`` × ``size`` images; label: the quadrant holding the square."""
+    """``samples`` images of ``channels`` × ``size`` × ``size``; label: the quadrant holding the square."""
 
-    def __init__(self, samples: int, size: int, seed: int = 0):
-        self.samples, self.size, self.seed = samples, size, seed
+    def __init__(self, samples: int, size: int, seed: int = 0, channels: int = 1):
+        self.samples, self.size, self.seed, self.channels = samples, size, seed, channels
 
     def __len__(self) -> int:
         return self.samples
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        image = 0.5 * torch.randn(1, self.size, self.size, generator=generator)
+        image = 0.5 * torch.randn(self.channels, self.size, self.size, generator=generator)
         label = i % CLASSES
         half = self.size // 2
         top, left = (label // 2) * half, (label % 2) * half
