@@ -78,6 +78,7 @@ class _Chunk:
     size: int
     params: list[torch.nn.Parameter]
     flat: torch.Tensor
+    views: dict[torch.nn.Parameter, torch.Tensor]  # each parameter's gradient in ``flat``
     pending: int = 0  # parameters still to be filled by the armed pass
     wire: torch.Tensor | None = None  # the half-width copy in flight
     work: dist.Work | None = None
@@ -101,6 +102,9 @@ class GradBuckets:
     wire: torch.dtype = torch.float32
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     link: EmulatedLink | None = None
+    # Each chunk is multiplied by it before its all-reduce: a loop whose loss is its local batch's mean weights
+    # it by its share of the global batch here (hetero-ray's own loop weights the loss instead).
+    scale: float = 1.0
     chunks: list[_Chunk] = field(init=False, default_factory=list)
     _next: int = field(init=False, default=0)  # first chunk not launched
     _armed: bool = field(init=False, default=False)
@@ -125,11 +129,11 @@ class GradBuckets:
 
     def _add_chunk(self, bucket: Bucket, params: list[torch.nn.Parameter]) -> None:
         flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        offset = 0
+        views, offset = {}, 0
         for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            p.grad = views[p] = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-        self.chunks.append(_Chunk(group=bucket.group, size=bucket.size, params=params, flat=flat))
+        self.chunks.append(_Chunk(group=bucket.group, size=bucket.size, params=params, flat=flat, views=views))
 
     def arm(self, passes: int = 1) -> None:
         """The next ``passes`` backward passes end the step (a pipeline stage's micro-batches run inside its
@@ -138,7 +142,12 @@ class GradBuckets:
         for c in self.chunks:
             c.pending = passes * len(c.params)
 
-    def _filled(self, chunk: _Chunk, _param: torch.Tensor) -> None:
+    def _filled(self, chunk: _Chunk, param: torch.nn.Parameter) -> None:
+        view = chunk.views[param]
+        if param.grad.data_ptr() != view.data_ptr():
+            # zero_grad(set_to_none=True) dropped the view and the backward made a new gradient: it holds all
+            # that accumulated since, so it goes back into the chunk (DDP does the same with its bucket views).
+            param.grad = view.copy_(param.grad)
         if not self._armed:
             return
         chunk.pending -= 1
@@ -148,6 +157,8 @@ class GradBuckets:
     def _launch(self, chunk: _Chunk) -> None:
         self._next += 1
         chunk.launched_at = time.perf_counter()
+        if self.scale != 1.0:
+            chunk.flat.mul_(self.scale)
         if chunk.size == 1:
             return  # a layer one rank holds alone: nothing to sum
         if self.wire == chunk.flat.dtype:

@@ -23,24 +23,20 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.cluster.cpu_slices import free_comm_threads
-from hetero_ray.cluster.emulated_device import EmulatedDevice
 from hetero_ray.config import RunConfig
 from hetero_ray.monitor.health import HealthPolicy
 from hetero_ray.monitor.worker import WorkerMonitor
 from hetero_ray.perf.footprint import OPTIMIZER_STATE_BYTES_PER_PARAM, STATIC_BYTES_PER_PARAM, Footprint
-from hetero_ray.plan.cost import RECOMPUTE_FACTOR
 from hetero_ray.plan.data_parallel import memory_fits
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
 from hetero_ray.train.batch_norm import share_batch_norm
 from hetero_ray.train.buckets import EmulatedLink
 from hetero_ray.train.checkpoint import restore_dir, write_checkpoint
+from hetero_ray.train.context import get_context
 from hetero_ray.train.data import GlobalBatches, collate
-from hetero_ray.train.device import enter_device, torch_device, worker_gpu_type
 from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group, sequence
-from hetero_ray.train.precision import autocast, choose_precision, compute_precision
-from hetero_ray.train.prepare import plan_for
+from hetero_ray.train.precision import autocast, choose_precision
 from hetero_ray.train.rebalance import Rebalancer, halve
 from hetero_ray.train.schedule import lr_at, set_lr
 from hetero_ray.train.sync import Synced, make_sync
@@ -75,50 +71,17 @@ class Window:
         return {**means, "compressed": self.compressed}
 
 
-def train_worker(payload: dict[str, Any]) -> None:
-    """Ray Train's ``train_loop_per_worker``: everything one worker does in a run."""
-    cfg = RunConfig.model_validate(payload["config"])
-    footprint = Footprint.from_dict(payload["footprint"])
-    catalog = load_catalog(cfg.gpus_file)
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    gpu_type, emulated = worker_gpu_type(catalog)
-    # Held for the worker's life: the claim on its throttled device's CPU slice.
-    device_slice = enter_device(cfg, emulated)
-    rank_types: list[str] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(rank_types, gpu_type)
-    plan = _plan(payload, cfg, rank_types, catalog, footprint, emulated)
-    roles = plan.roles_for(rank_types)
-    role = roles[rank]
-
-    device = torch_device(emulated)
-    if emulated:
-        # Workers share this machine's cores; one thread each keeps them from fighting.
-        torch.set_num_threads(1)
+def train_worker(config: dict[str, Any]) -> None:
+    """The built-in loop, a ``HeteroTrainer``'s ``train_loop_per_worker``: the configured workload, stepped,
+    reported and checkpointed. ``config["progress"]``: a queue rank 0 puts each report's metrics on."""
+    ctx = get_context()
+    cfg, footprint, catalog, plan, rank_types = ctx.config, ctx.footprint, ctx.catalog, ctx.plan, ctx.rank_types
+    rank, roles, role, device, emu, precision = ctx.rank, ctx.roles, ctx.role, ctx.device, ctx.emu, ctx.precision
+    device_slice = ctx.device_slice
     # Same seed on every rank: identical initial weights without a broadcast.
     torch.manual_seed(cfg.train.seed)
     workload = build_workload(cfg.workload.name, cfg.workload.options)
     stage_layers = range(*role.layers) if role and role.layers else range(len(footprint.layers))
-    emu = (
-        EmulatedDevice(
-            spec=catalog.get(gpu_type),
-            precision=role.precision,
-            flops_per_sample=(
-                sum(footprint.layers[i].flops_per_sample for i in stage_layers)
-                if plan.is_pipelined
-                else footprint.flops_per_sample
-            )
-            * (RECOMPUTE_FACTOR if role.activation_checkpointing else 1.0),
-            efficiency=payload["efficiency"],
-            dilation=payload["dilation"],
-            padded=device_slice is None,
-        )
-        if emulated and role
-        else None
-    )
-    precision = (
-        compute_precision(role.precision, device, bool(cfg.emulation and cfg.emulation.autocast)) if role else None
-    )
     stage, buckets = None, None
     if plan.is_pipelined:
         group, ranks = pipeline_group(roles, rank)
@@ -159,7 +122,7 @@ def train_worker(payload: dict[str, Any]) -> None:
         run=cfg.run.name,
         rank=rank,
         node=ray.get_runtime_context().get_node_id(),
-        gpu_type=gpu_type,
+        gpu_type=ctx.gpu_type,
         emu=emu,
         gpu_index=int(gpu_ids[0]) if gpu_ids else None,
     )
@@ -169,7 +132,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     held = cfg.train.eval_samples if cfg.train.eval_every else 0
     batches = GlobalBatches(len(workload.dataset) - held, cfg.train.global_batch, cfg.train.seed)
     evaluated = None  # (step, mean held-out loss) of the last evaluation
-    progress = payload.get("progress")
+    progress = config.get("progress")
 
     # A re-split could cut a share into micro-batches, which batch statistics cannot span (prepare refuses
     # rebalance_every for such models; out-of-memory re-splits are off too).
@@ -242,7 +205,7 @@ def train_worker(payload: dict[str, Any]) -> None:
             window = Window()
         # Re-split after the report, whose window ran on the split before; compute is measured in
         # the planner's (undilated) seconds, comparable with its predictions.
-        modelled_busy = busy / (payload["dilation"] or 1.0) if emu else busy
+        modelled_busy = busy / (ctx.dilation or 1.0) if emu else busy
         change = rebalancer.step_done(step, rank, modelled_busy, fitted, monitor.last_reading) if rebalancer else None
         if change is not None:
             roles, role = change.roles, change.roles[rank]
@@ -408,18 +371,6 @@ def _metrics(
         "elapsed_s": time.monotonic() - started,
         "time": time.time(),
     }
-
-
-def _plan(payload, cfg: RunConfig, rank_types, catalog, footprint, emulated: bool) -> Plan:
-    """The plan the driver chose (``--plan``) when it fits these workers (all its devices, or those it gives
-    samples when its excluded ones were not started), else one made for them."""
-    if payload.get("plan") is not None:
-        plan = Plan.from_dict(payload["plan"])
-        working = [r.gpu_type for r in plan.roles]
-        excluded = [e.gpu_type for e in plan.excluded for _ in range(e.count)]
-        if sorted(rank_types) in (sorted(working), sorted(working + excluded)):
-            return plan
-    return plan_for(cfg, rank_types, catalog, footprint, payload["efficiency"], emulated=emulated)
 
 
 def _whole_state(model, workload, sync, roles, rank, plan: Plan) -> tuple[dict, dict] | None:
