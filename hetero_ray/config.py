@@ -134,8 +134,10 @@ class TrainConfig(_Strict):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     seed: int = 0
-    precision: Literal["auto", "fp32"] = Field(
-        "auto", description="'auto': bf16 on Ampere and newer, fp16 with loss scaling on Volta/Turing, fp32 otherwise."
+    precision: Literal["auto", "fp32"] | dict[str, Literal["auto", "fp32", "bf16", "fp16"]] = Field(
+        "auto",
+        description="'auto': bf16 on Ampere and newer, fp16 with loss scaling on Volta/Turing, fp32 otherwise; or "
+        "per GPU type, e.g. {V100-16GB: fp32, A100-80GB: bf16} (types not named: auto).",
     )
     split: Literal["proportional", "equal"] | dict[str, float] = Field(
         "proportional",
@@ -330,6 +332,17 @@ class RunConfig(_Strict):
                     f"emulation.events.{i}: no worker {event.gpu_type} #{event.index}; "
                     f"devices has {count} of that type (index 0..{count - 1})"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _precision_names_devices(self) -> RunConfig:
+        if isinstance(self.train.precision, dict):
+            for gpu_type in self.train.precision:
+                if gpu_type not in self.devices:
+                    raise ValueError(
+                        f"train.precision.{gpu_type}: not a GPU type of the run{did_you_mean(gpu_type, self.devices)}; "
+                        f"devices has {', '.join(self.devices)}"
+                    )
         return self
 
     @model_validator(mode="after")

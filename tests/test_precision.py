@@ -16,6 +16,7 @@ from hetero_ray.plan.plan import WorkerRole
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.loop import local_backward
 from hetero_ray.train.precision import autocast, compute_precision
+from hetero_ray.train.prepare import prepare
 from hetero_ray.train.sync import TorchAdam
 from hetero_ray.workloads import build_workload
 
@@ -146,3 +147,20 @@ def test_emulated_devices_compute_in_fp32_unless_emulation_autocast():
     assert compute_precision("fp16", cpu, cpu_autocast=True) == "fp16"
     assert compute_precision("bf16", gpu, cpu_autocast=False) == "bf16"
     assert parse_config({"devices": {"A100-80GB": 1}, "emulation": {"autocast": True}}).emulation.autocast
+
+
+def test_precision_per_gpu_type_reaches_the_plan():
+    """``train.precision: {A100-80GB: fp32, V100-16GB: fp16}``: the planner gives each type the precision named
+    (auto would give the A100 bf16), and prices it: the V100's share grows with fp16's FLOP/s."""
+    base = {
+        "devices": {"A100-80GB": 1, "V100-16GB": 1},
+        "workload": {"options": {"n_layer": 1, "corpus_bytes": 50_000}},
+        "train": {"global_batch": 16},
+    }
+    chosen = {}
+    for name, precision in (("auto", "auto"), ("per-type", {"A100-80GB": "fp32", "V100-16GB": "fp16"})):
+        plan = prepare(parse_config({**base, "train": {**base["train"], "precision": precision}})).plan
+        chosen[name] = {r.gpu_type: (r.precision, r.local_batch) for r in plan.roles}
+    assert chosen["auto"]["A100-80GB"][0] == "bf16" and chosen["auto"]["V100-16GB"][0] == "fp16"
+    assert chosen["per-type"]["A100-80GB"][0] == "fp32" and chosen["per-type"]["V100-16GB"][0] == "fp16"
+    assert chosen["per-type"]["V100-16GB"][1] > chosen["auto"]["V100-16GB"][1]

@@ -100,6 +100,13 @@ class GpuSpec:
         """Memory capacity in bytes (``memory_gib`` × 2³⁰)."""
         return int(self.memory_gib * 2**30)
 
+    def precision_problem(self, precision: str) -> str | None:
+        """Why this card cannot train in ``precision`` (the catalog has no FLOP/s for it), else ``None``."""
+        if precision in self.peak_tflops:
+            return None
+        usable = ", ".join(p for p in ("bf16", "fp16", "fp32") if p in self.peak_tflops)
+        return f"{self.name} has no {precision}; use one of {usable}"
+
     @property
     def supports_bf16(self) -> bool:
         """Whether the card has bf16 tensor cores (Ampere and newer)."""

@@ -180,14 +180,11 @@ def parse_plan(data: Any, source: str = "plan", *, catalog: Catalog | None = Non
     if catalog is not None:
         for i, role in enumerate(model.roles):
             try:
-                has = catalog.get(role.gpu_type).peak_tflops
+                problem = catalog.get(role.gpu_type).precision_problem(role.precision)
             except UnknownGpuType as exc:
                 raise PlanError(f"{source}: roles.{i}.gpu_type: {exc}") from None
-            if role.precision not in has:
-                usable = ", ".join(p for p in ("bf16", "fp16", "fp32") if p in has)
-                raise PlanError(
-                    f"{source}: roles.{i}.precision: {role.gpu_type} has no {role.precision}; use one of {usable}"
-                )
+            if problem:
+                raise PlanError(f"{source}: roles.{i}.precision: {problem}")
     return Plan.from_dict(model.model_dump(by_alias=True))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -11,10 +12,13 @@ from hetero_ray.cluster.catalog import GpuSpec
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def choose_precision(spec: GpuSpec, requested: str) -> str:
-    """The precision a device of type ``spec`` trains in; ``requested='fp32'`` forces fp32."""
-    if requested == "fp32":
-        return "fp32"
+def choose_precision(spec: GpuSpec, requested: str | Mapping[str, str]) -> str:
+    """The precision a device of type ``spec`` trains in (``train.precision``): ``'auto'`` the card's fastest
+    (below), ``'fp32'`` fp32; a mapping names one per GPU type (``'auto'`` for a type it does not name)."""
+    if isinstance(requested, Mapping):
+        requested = requested.get(spec.name, "auto")
+    if requested != "auto":
+        return requested
     if spec.supports_bf16:
         return "bf16"
     # fp16 tensor cores arrived with Volta (compute capability 7.0).

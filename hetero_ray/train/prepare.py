@@ -26,6 +26,7 @@ from hetero_ray.plan.plan import Infeasible, Plan, PlanError
 from hetero_ray.plan.plan_file import load_plan
 from hetero_ray.plan.stages import MeasuredSpeeds
 from hetero_ray.plan.topology import NodeKind, Topology
+from hetero_ray.train.precision import choose_precision
 from hetero_ray.train.sync import deepspeed_config
 from hetero_ray.workloads import build_workload
 
@@ -297,9 +298,13 @@ def prepare(cfg: RunConfig, plan_path: str | None = None) -> Prepared:
     catalog = load_catalog(cfg.gpus_file)
     for name in cfg.devices:
         try:
-            catalog.get(name)
+            spec = catalog.get(name)
         except UnknownGpuType as exc:
             raise ConfigError(f"devices: {exc}") from None
+        if isinstance(cfg.train.precision, dict):
+            problem = spec.precision_problem(choose_precision(spec, cfg.train.precision))
+            if problem:
+                raise ConfigError(f"train.precision.{name}: {problem}")
     check_storage(cfg.run.storage_path)
     footprint = measure_footprint(_workload_factory(cfg))
     problem = footprint.batch_problem(cfg.train.global_batch)
