@@ -248,7 +248,13 @@ def cmd_discover(args: argparse.Namespace, console: Console) -> int:
     import ray
 
     from hetero_ray.cluster.catalog import load_catalog
-    from hetero_ray.cluster.discovery import discover, render_table, reports_to_json, unknown_gpu_message
+    from hetero_ray.cluster.discovery import (
+        discover,
+        label_problems,
+        render_table,
+        reports_to_json,
+        unknown_gpu_message,
+    )
 
     catalog = load_catalog(args.gpus)
     ray.init(address=args.address or os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
@@ -260,8 +266,7 @@ def cmd_discover(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps(reports_to_json(reports)))
     else:
         render_table(reports, console)
-    message = unknown_gpu_message(reports)
-    if message:
+    for message in filter(None, [unknown_gpu_message(reports), *label_problems(reports)]):
         print(f"hetero-ray: {message}", file=sys.stderr)
     return 0
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pynvml
 import pytest
 import ray
+from nvml_fake import StubNvml
 from ray._private.authentication_test_utils import reset_auth_token_state
 from rich.console import Console
 
@@ -34,61 +35,6 @@ GiB = 2**30
 @pytest.fixture(scope="module")
 def catalog() -> Catalog:
     return load_catalog()
-
-
-class StubNvml:
-    """STUB of the ``pynvml`` module for unit tests only: a fixed machine, no driver.
-
-    It uses pynvml's own error class and constants, so the code under test sees
-    the same exceptions and values as with the real binding.
-    """
-
-    NVMLError = pynvml.NVMLError
-    NVML_P2P_CAPS_INDEX_NVLINK = pynvml.NVML_P2P_CAPS_INDEX_NVLINK
-    NVML_P2P_STATUS_OK = pynvml.NVML_P2P_STATUS_OK
-
-    def __init__(self, devices: list[dict], nvlinks: set[frozenset[int]] = frozenset(), init_error: int | None = None):
-        self.devices, self.nvlinks, self.init_error = devices, nvlinks, init_error
-        self.open = False
-
-    def nvmlInit(self) -> None:
-        if self.init_error is not None:
-            raise pynvml.NVMLError(self.init_error)
-        self.open = True
-
-    def nvmlShutdown(self) -> None:
-        self.open = False
-
-    def nvmlDeviceGetCount(self) -> int:
-        return len(self.devices)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
-        return index
-
-    def _device(self, handle: int) -> dict:
-        assert self.open, "NVML used outside nvmlInit/nvmlShutdown"
-        if self.devices[handle].get("lost"):
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
-        return self.devices[handle]
-
-    def nvmlDeviceGetName(self, handle: int) -> str:
-        return self._device(handle)["name"]
-
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> pynvml.c_nvmlMemory_t:
-        return pynvml.c_nvmlMemory_t(total=self._device(handle)["memory"], free=0, used=0)
-
-    def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:
-        return self._device(handle)["cc"]
-
-    def nvmlDeviceGetUUID(self, handle: int) -> str:
-        return f"GPU-stub-{handle}"
-
-    def nvmlDeviceGetP2PStatus(self, a: int, b: int, index: int) -> int:
-        assert index == pynvml.NVML_P2P_CAPS_INDEX_NVLINK
-        if self.devices[a].get("name") == "NVIDIA A10G":
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        linked = frozenset((a, b)) in self.nvlinks
-        return pynvml.NVML_P2P_STATUS_OK if linked else pynvml.NVML_P2P_STATUS_NOT_SUPPORTED
 
 
 A100 = {"name": "NVIDIA A100-SXM4-80GB", "memory": 80 * GiB, "cc": (8, 0)}

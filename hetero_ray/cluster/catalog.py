@@ -40,6 +40,10 @@ class CatalogError(ValueError):
     """A GPU types file is unreadable or invalid; the message is one line naming file, entry and field."""
 
 
+# A MIG instance type is named ``<card>-MIG-<profile>`` (``cluster/mig.py``).
+MIG_MARK = "-MIG-"
+
+
 class UnknownGpuType(ValueError):
     """A GPU type name that the catalog does not hold."""
 
@@ -168,10 +172,14 @@ class Catalog:
         try:
             return self._specs[name]
         except KeyError:
+            # MIG types are listed by their cards, and suggested only for a name that asks for one.
+            cards = [n for n in self.names() if MIG_MARK not in n]
+            instances = [n for n in self.names() if MIG_MARK in n]
+            close = did_you_mean(name, instances if MIG_MARK in name else cards)
+            mig = f" (and the MIG instances of some, e.g. {instances[0]})" if instances else ""
             raise UnknownGpuType(
-                f"unknown GPU type {name!r}{did_you_mean(name, self.names())}; known: {', '.join(self.names())}; "
-                f"declare it in a gpus file (--gpus FILE or {GPUS_ENV_VAR}, same schema as "
-                "hetero_ray/cluster/gpus.yaml)"
+                f"unknown GPU type {name!r}{close}; known: {', '.join(cards)}{mig}; declare it in a gpus file "
+                f"(--gpus FILE or {GPUS_ENV_VAR}, same schema as hetero_ray/cluster/gpus.yaml)"
             ) from None
 
     def __contains__(self, name: object) -> bool:
@@ -273,18 +281,21 @@ def _packaged_catalog() -> Catalog:
 
 
 def load_catalog(extra: str | os.PathLike[str] | None = None) -> Catalog:
-    """The packaged catalog plus the user types in ``extra``.
+    """The packaged catalog plus the user types in ``extra``, and the MIG instance types of every card that has
+    them (``cluster/mig.py``: derived from the card's figures, so a user's card gives its own).
 
     ``extra`` is a YAML file with gpus.yaml's schema; when ``None``, the file named
     by the ``HETERO_RAY_GPUS`` environment variable is used, if set. User entries
     add types or replace packaged ones of the same name. Raises ``CatalogError``
     with a one-line message on a missing or invalid file.
     """
+    from hetero_ray.cluster.mig import with_mig_types  # mig.py builds on this module's types
+
     if extra is not None:
         path, origin = Path(extra), str(extra)
     elif os.environ.get(GPUS_ENV_VAR):
         path = Path(os.environ[GPUS_ENV_VAR])
         origin = f"{path} (from {GPUS_ENV_VAR})"
     else:
-        return _packaged_catalog()
-    return _packaged_catalog().with_types(_read_gpus_file(path, origin))
+        return with_mig_types(_packaged_catalog())
+    return with_mig_types(_packaged_catalog().with_types(_read_gpus_file(path, origin)))
