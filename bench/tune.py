@@ -17,8 +17,13 @@ Every trial, grid or sweep, is the same short run of ``run_training`` on all six
 0.12 of a core (which ran 3.7 : 1 alone in bench/hetero_dp.py, where the catalog's bf16 : fp16 peaks
 guess 2.5 : 1), with a longer sequence and batch so that compute dominates a step. The grid spans the
 sweep's own space (×/÷ --spread around the prediction), evenly in log.
+With ``--search precision`` it runs the precision sweep instead (``tuning/precision.py``): every combination of
+fp32 and each type's half precision, the emulated devices computing in it, scored on held-out samples; prints per
+type the precision chosen (the fastest within 1 % of all-fp32's loss), and the half precision's samples/s and
+loss ÷ all-fp32's (to docs/measurements/tune-precision-<mode>.json). On CPU slices half precision is slower
+than fp32 (no tensor cores): what it measures there is the CPU's answer, not a GPU's.
 Usage: python bench/tune.py [--mode throttled|padded] [--grid-points 9] [--trials 5] [--steps 12] [--windows 2]
-       [--repeats 2]
+       [--repeats 2] [--search shares|precision]
 """
 
 from __future__ import annotations
@@ -74,10 +79,12 @@ def main() -> int:
     parser.add_argument("--dilation-factor", type=float, default=1.5, help="× the calibrated dilation")
     parser.add_argument("--output-dir", default="/tmp/hetero-ray-bench-tune", help="sweep CSV, PNG, best config")
     parser.add_argument("--json", help="where to write the JSON (default docs/measurements/tune-<mode>.json)")
+    parser.add_argument("--search", choices=("shares", "precision"), default="shares")
     args = parser.parse_args()
     throttled = args.mode == "throttled"
     args.global_batch = args.global_batch or (576 if throttled else 144)
-    args.json = args.json or str(MEASUREMENTS / f"tune-{'throttled' if throttled else 'emulated'}.json")
+    name = f"tune{'-precision' if args.search == 'precision' else ''}-{'throttled' if throttled else 'emulated'}"
+    args.json = args.json or str(MEASUREMENTS / f"{name}.json")
 
     from tuning.results import best_trial, trials_frame
     from tuning.settings import SweepSettings
@@ -96,6 +103,8 @@ def main() -> int:
     settings = SweepSettings(
         trials=args.trials, steps=args.steps, windows=args.windows, spread=args.spread, output_dir=out
     )
+    if args.search == "precision":
+        return precision_bench(args, raw, settings, throttled, started)
     speeds, calibrated = predicted_speeds(parse_config(raw), settings)
     dilation = None
     if not throttled:
@@ -119,11 +128,11 @@ def main() -> int:
             base = trial_base(cfg, settings)
             grid_results = run_trials(
                 base,
-                space,
+                space.reference,
                 settings,
                 dilation,
                 param_space={f"{WEIGHT_PREFIX}{searched}": tune.grid_search(grid_points)},
-                search=False,
+                search=None,
                 console=console,
                 name=f"{base.run.name}-grid",
             )
@@ -133,11 +142,11 @@ def main() -> int:
             chosen = [float(sweep_best[weight]), float(grid_best[weight])]
             side_results = run_trials(
                 base,
-                space,
+                space.reference,
                 settings,
                 dilation,
                 param_space={weight: tune.grid_search(chosen * args.repeats)},
-                search=False,
+                search=None,
                 console=console,
                 name=f"{base.run.name}-side-by-side",
             )
@@ -196,6 +205,56 @@ def main() -> int:
     text = json.dumps(result, indent=2)
     print(text)
     write_json(args.json, result, force=True)  # a measurement replaces the last one
+    return 0
+
+
+def precision_bench(args, raw: dict, settings, throttled: bool, started: float) -> int:
+    """The precision sweep on the emulated cluster; per type the choice and the half precision's ratios."""
+    from dataclasses import replace
+
+    from tuning.precision import run_precision_sweep
+
+    settings = replace(settings, search="precision")
+    # One split for every trial, near the slices' measured 4 : 1, so that trials differ by precision alone (the
+    # planner's split would follow the catalog's half-precision peaks, which CPU slices do not have).
+    raw = {**raw, "train": {**raw["train"], "split": {"A100-80GB": 4, "V100-16GB": 1}}}
+    cfg = parse_config(raw)
+    console = Console(stderr=True)
+    cluster = started_cluster(console, CPU_SHARE if throttled else None)
+    os.environ.update(cluster.env)  # before `import ray`: Ray reads its auth mode at import
+    import ray
+
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            sweep = run_precision_sweep(cfg, raw, settings, console)
+        finally:
+            ray.shutdown()
+    finally:
+        cluster.stop()
+    result = {
+        "emulated": True,
+        "mode": args.mode,
+        **({"cpu_share": CPU_SHARE} if throttled else {}),
+        "note": "CPU slices: half precision runs without tensor cores, slower than fp32; a GPU would answer otherwise"
+        if throttled
+        else "padded: step times are the cost model's for each precision, so the speed ratios are the model's own",
+        "cluster": DEVICES,
+        "workload": f"gpt 2 layers x 64, block {cfg.workload.options['block_size']}, global batch {args.global_batch}",
+        "steps_per_trial": args.steps,
+        "split": raw["train"]["split"],
+        "rule": f"the fastest combination within {settings.loss_tolerance:.0%} of all-fp32's held-out loss",
+        "per_type": sweep.choice.per_type,
+        "chosen_samples_per_s_over_fp32": float(
+            sweep.choice.best["samples_per_s"] / sweep.choice.fp32["samples_per_s"]
+        ),
+        "chosen_loss_over_fp32": float(sweep.choice.best["eval_loss"] / sweep.choice.fp32["eval_loss"]),
+        "trials": sweep.trials.to_dict("records"),
+        "sweep_files": {"csv": str(sweep.csv), "plot": str(sweep.plot), "best_config": str(sweep.best_config)},
+        "seconds": time.monotonic() - started,
+    }
+    print(json.dumps(result, indent=2))
+    write_json(args.json, result, force=True)
     return 0
 
 

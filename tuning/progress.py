@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tuning.space import weights_of
-from tuning.trial import METRIC
+from tuning.trial import METRIC, PRECISION_PREFIX
 
 
 class RichProgress(tune.Callback):
@@ -43,9 +43,16 @@ class RichProgress(tune.Callback):
 
     def _finished(self, trial, how: str) -> None:
         last = trial.last_result or {}
-        weights = ", ".join(f"{t} {w:.3g}" for t, w in weights_of(trial.config, self.reference).items())
+        precisions = {
+            k.removeprefix(PRECISION_PREFIX): v for k, v in trial.config.items() if k.startswith(PRECISION_PREFIX)
+        }
+        if precisions:
+            what = "precision " + ", ".join(f"{t} {p}" for t, p in precisions.items())
+        else:
+            what = "weights " + ", ".join(f"{t} {w:.3g}" for t, w in weights_of(trial.config, self.reference).items())
         rate = f"{last[METRIC]:.1f} samples/s" if METRIC in last else "no window measured"
-        self.console.print(f"trial {trial.trial_id}: weights {weights} → {rate} ({how})")
+        loss = f", held-out loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
+        self.console.print(f"trial {trial.trial_id}: {what} → {rate}{loss} ({how})")
         self.bar.advance(self.task)
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:

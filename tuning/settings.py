@@ -10,6 +10,8 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+SEARCHES = ("shares", "precision")
+
 
 class SweepError(ValueError):
     """Bad sweep input: one line saying what, where and what would be valid."""
@@ -29,6 +31,10 @@ class SweepSettings:
     micro_batch_caps: tuple[int, ...] = ()
     history: str | None = None
     output_dir: Path = field(default_factory=lambda: Path("tune-out"))
+    # "shares" searches the split; "precision" runs fp32 against each type's half precision (tuning/precision.py).
+    search: str = "shares"
+    loss_tolerance: float = 0.01
+    eval_samples: int = 256
 
     def __post_init__(self) -> None:
         if self.trials < 1:
@@ -42,6 +48,12 @@ class SweepSettings:
             raise SweepError(f"--grace-windows: {self.grace_windows}; use 1..{self.windows}")
         if self.random_trials < 0:
             raise SweepError(f"--random-trials: {self.random_trials}; use 0 or more")
+        if self.search not in SEARCHES:
+            raise SweepError(f"--search: {self.search!r}; use one of {', '.join(SEARCHES)}")
+        if not 0 <= self.loss_tolerance < 1:
+            raise SweepError(f"--loss-tolerance: {self.loss_tolerance:g}; use a fraction in [0, 1), e.g. 0.01")
+        if self.eval_samples < 1:
+            raise SweepError(f"--eval-samples: {self.eval_samples}; use at least 1")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +66,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace-windows", type=int, default=d.grace_windows, help="windows before ASHA may stop a trial")
     p.add_argument("--spread", type=float, default=d.spread, help="search weights within ×/÷ this of the prediction")
     p.add_argument("--random-trials", type=int, default=d.random_trials, help="random trials before TPE's model")
+    p.add_argument(
+        "--search",
+        choices=SEARCHES,
+        default=d.search,
+        help="shares: the split per type (default); precision: fp32 against each type's half precision, side by side",
+    )
+    p.add_argument(
+        "--loss-tolerance",
+        type=float,
+        default=d.loss_tolerance,
+        help="precision: the fastest within this fraction of all-fp32's held-out loss wins (default 0.01)",
+    )
+    p.add_argument(
+        "--eval-samples", type=int, default=d.eval_samples, help="precision: held-out samples each trial is scored on"
+    )
     p.add_argument("--micro-batch-caps", help="also search a micro-batch cap among these, e.g. 8,16,32")
     p.add_argument("--history", help="profile history (parquet): start from the performance model, not the catalog")
     p.add_argument("--seed", type=int, default=d.seed, help="the sampler's seed")
@@ -88,4 +115,7 @@ def settings_from(args: argparse.Namespace) -> SweepSettings:
         micro_batch_caps=caps,
         history=args.history,
         output_dir=Path(args.output_dir),
+        search=args.search,
+        loss_tolerance=args.loss_tolerance,
+        eval_samples=args.eval_samples,
     )

@@ -105,30 +105,31 @@ def predicted_speeds(cfg: RunConfig, settings: SweepSettings) -> tuple[dict[str,
 
 def run_trials(
     base: RunConfig,
-    space: ShareSpace,
+    reference: str,
     settings: SweepSettings,
     dilation: float | None,
     *,
     param_space: Mapping[str, Any],
-    search: bool,
+    search: ShareSpace | None,
     console: Console,
     name: str,
     resume: bool = False,
 ) -> ResultGrid:
-    """Run trials of ``base`` one at a time; ``search``: Optuna TPE from the prediction with ASHA, else every
-    point of ``param_space`` (a grid) to the end. ``resume``: continue the experiment ``name`` where it stopped
-    (``Tuner.restore``: finished trials kept, the running one started again, the searcher's state restored).
-    Raises ``SweepInterrupted`` when the sweep stopped on a signal before its last trial."""
+    """Run trials of ``base`` one at a time; ``search``: Optuna TPE over that space from the prediction with ASHA,
+    else every point of ``param_space`` (a grid) to the end. ``reference``: the type a split's weights are
+    relative to. ``resume``: continue the experiment ``name`` where it stopped (``Tuner.restore``: finished trials
+    kept, the running one started again, the searcher's state restored). Raises ``SweepInterrupted`` when the
+    sweep stopped on a signal before its last trial."""
     import optuna
     from ray import tune
 
     from tuning.progress import RichProgress
 
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, base=base.model_dump(), reference=space.reference, dilation=dilation),
+        tune.with_parameters(run_trial, base=base.model_dump(), reference=reference, dilation=dilation),
         trial_resources(base.emulation is not None),
     )
-    if search:
+    if search is not None:
         total = settings.trials
     else:
         total = 1
@@ -142,12 +143,12 @@ def run_trials(
         tuner = tune.Tuner(
             trainable,
             param_space=dict(param_space),
-            tune_config=_tune_config(space, settings) if search else tune.TuneConfig(max_concurrent_trials=1),
+            tune_config=_tune_config(search, settings) if search else tune.TuneConfig(max_concurrent_trials=1),
             run_config=tune.RunConfig(
                 name=name,
                 storage_path=str(path.parent),
                 verbose=0,
-                callbacks=[RichProgress(console, total, space.reference)],
+                callbacks=[RichProgress(console, total, reference)],
             ),
         )
     # Tune ends the sweep cleanly on SIGINT (its state saved for a restore); SIGTERM, as `kill` and schedulers
@@ -240,11 +241,11 @@ def run_sweep(
         write_json(settings.output_dir / STATE_FILE, _state(cfg, settings, base.run.name, speeds, dilation), force=True)
     grid = run_trials(
         base,
-        space,
+        space.reference,
         settings,
         dilation,
         param_space=space.tune_space(),
-        search=True,
+        search=space,
         console=console,
         name=base.run.name,
         resume=resume is not None,
@@ -315,20 +316,29 @@ def command(args: argparse.Namespace, console: Console) -> int:
     from hetero_ray.perf.history import HistoryError
     from hetero_ray.perf.model import NoHistory
     from hetero_ray.plan.plan import PlanError
+    from tuning import precision
 
     try:
         settings = settings_from(args)
-        for name in RESULT_FILES:
+        by_precision = settings.search == "precision"
+        for name in precision.RESULT_FILES if by_precision else RESULT_FILES:
             check_output(settings.output_dir / name, force=args.force, option="--output-dir")
         cfg = load_config(args.config)
         base_yaml = load_yaml(Path(args.config).read_text(), args.config)  # load_config read it already
         # Checked before any cluster is reached.
-        share_space(cfg, dict.fromkeys(cfg.devices, 1.0), spread=settings.spread)
+        if by_precision:
+            precision.precision_choices(cfg)
+            if args.resume:
+                raise SweepError("--resume: a precision sweep is a short grid; run it again without --resume")
+        else:
+            share_space(cfg, dict.fromkeys(cfg.devices, 1.0), spread=settings.spread)
         resume = resumable(cfg, settings) if args.resume else None
         import ray
 
         ray.init(address=args.address or os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
         try:
+            if by_precision:
+                return _report_precision(precision.run_precision_sweep(cfg, base_yaml, settings, console), console)
             sweep = run_sweep(cfg, base_yaml, settings, console, resume=resume)
         finally:
             ray.shutdown()
@@ -344,6 +354,23 @@ def command(args: argparse.Namespace, console: Console) -> int:
         f"{best} per worker; {len(sweep.trials)} trials in {sweep.seconds:.0f} s"
     )
     console.print(f"wrote {sweep.csv}, {sweep.plot}, {sweep.best_config} (run it: jobs/train.py --config)")
+    return 0
+
+
+def _report_precision(sweep, console: Console) -> int:
+    """The precision sweep's choice per type, as a table."""
+    from rich.table import Table
+
+    table = Table(title="precision per GPU type (the fastest within the loss tolerance of all-fp32)")
+    for column in ("GPU type", "chosen", "half", "half samples/s ÷ fp32", "half loss ÷ fp32"):
+        table.add_column(column)
+    for gpu_type, entry in sweep.choice.per_type.items():
+        ratios = [entry.get(k) for k in ("half_samples_per_s_over_fp32", "half_loss_over_fp32")]
+        table.add_row(gpu_type, entry["chosen"], entry["half"] or "-", *(f"{r:.3f}" if r else "-" for r in ratios))
+    console.print(table)
+    console.print(
+        f"wrote {sweep.csv}, {sweep.plot}, {sweep.best_config} ({len(sweep.trials)} trials, {sweep.seconds:.0f} s)"
+    )
     return 0
 
 

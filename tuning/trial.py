@@ -25,14 +25,16 @@ METRIC = "samples_per_s"
 FINAL_METRIC = "final_samples_per_s"
 SPEED_PREFIX = "speed:"
 SHARE_PREFIX = "share:"
+PRECISION_PREFIX = "precision:"
 # The emulated cluster labels its head so; a trial's driver must not take a GPU node's CPU.
 HEAD_LABEL = {"hetero-ray/role": "head"}
 
 
 def trial_config(base: RunConfig, params: Mapping[str, Any], reference: str, dilation: float | None) -> RunConfig:
-    """The run a trial makes: ``base`` with the trial's split (and micro-batch cap), the sweep's fixed dilation,
-    and a fresh run name (a trial never resumes another's checkpoint)."""
-    train = {"split": weights_of(params, reference)}
+    """The run a trial makes: ``base`` with the trial's split (and micro-batch cap) or its precision per type, the
+    sweep's fixed dilation, and a fresh run name (a trial never resumes another's checkpoint)."""
+    precisions = {k.removeprefix(PRECISION_PREFIX): v for k, v in params.items() if k.startswith(PRECISION_PREFIX)}
+    train: dict[str, Any] = {"precision": precisions} if precisions else {"split": weights_of(params, reference)}
     if MICRO_BATCH_KEY in params:
         train["max_micro_batch"] = int(params[MICRO_BATCH_KEY])
     update: dict[str, Any] = {
@@ -74,6 +76,8 @@ def window_result(metrics: Mapping[str, Any], window: int, *, final: bool) -> di
         **{f"{SPEED_PREFIX}{t}": sum(v) / len(v) for t, v in speeds.items()},
         **{f"micro_batch:{d['gpu_type']}": d["micro_batch"] for d in metrics["devices"]},
         **({FINAL_METRIC: metrics["samples_per_s"]} if final else {}),
+        # The held-out loss, when the run evaluates (a precision sweep's trials do, after their last step).
+        **({"eval_loss": metrics["eval"]["loss"]} if metrics.get("eval") else {}),
     }
 
 
