@@ -38,9 +38,10 @@ def user_errors() -> tuple[type[Exception], ...]:
     from hetero_ray.config import ConfigError
     from hetero_ray.output import OutputError
     from hetero_ray.plan.plan import PlanError
+    from hetero_ray.routing.policy import PolicyError
     from hetero_ray.workloads import WorkloadError
 
-    return (ConfigError, CatalogError, UnknownGpuType, WorkloadError, PlanError, OutputError)
+    return (ConfigError, CatalogError, UnknownGpuType, WorkloadError, PlanError, OutputError, PolicyError)
 
 
 def one_of(names: Sequence[str], what: str) -> Callable[[str], str]:
@@ -95,12 +96,17 @@ def _finish(
 
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
     """Train on the Ray cluster this process reaches (``ray job submit`` sets the address)."""
-    from hetero_ray.config import load_config
+    from hetero_ray.config import load_config, parse_config
+    from hetero_ray.routing.policy import DEVICES_ENV
     from hetero_ray.train.prepare import prepare
 
     if args.output:
         check_output(args.output, force=args.force)
     cfg = load_config(args.config)
+    granted = os.environ.get(DEVICES_ENV)
+    if granted:
+        # Submitted with `hetero-ray submit`: the job plans for the devices the ledger gave it.
+        cfg = parse_config({**cfg.model_dump(exclude_unset=True), "devices": json.loads(granted)}, DEVICES_ENV)
     prepared = prepare(cfg, args.plan)
     import ray
 
@@ -112,6 +118,66 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     finally:
         ray.shutdown()
     _finish(result, args, console, run=cfg.run)
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace, console: Console) -> int:
+    """Submit a job of a class (train, finetune, inference) through Ray's Job Submission API: it runs on the GPU
+    types its class prefers (the policy), or others when those are busy and the policy allows, and waits in the
+    cluster's queue until they are free. A training job started so plans for the devices it got."""
+    import ray
+
+    from hetero_ray.cluster.catalog import load_catalog
+    from hetero_ray.routing.client import open_ledger, submit
+    from hetero_ray.routing.policy import check_class
+
+    check_class(args.job_class)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    ray.init(
+        address=args.address or os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False, logging_level="WARNING"
+    )
+    try:
+        ledger = open_ledger(args.ledger, load_catalog(args.gpus_file), args.policy, first_fit=args.first_fit)
+        only = args.only.split(",") if args.only else None
+        job_id = submit(
+            command, job_class=args.job_class, gpus=args.gpus, only=only, ledger=ledger, ledger_name=args.ledger
+        )
+    finally:
+        ray.shutdown()
+    print(json.dumps({"job_id": job_id, "class": args.job_class}) if args.json else job_id)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, console: Console) -> int:
+    """Per GPU type of the cluster: devices, busy, the jobs holding them and utilisation; then the queue."""
+    import ray
+    from rich.table import Table
+
+    from hetero_ray.routing.client import ledger_status
+
+    ray.init(
+        address=args.address or os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False, logging_level="WARNING"
+    )
+    try:
+        status = ledger_status(args.ledger)
+    finally:
+        ray.shutdown()
+    if args.json:
+        print(json.dumps({k: v for k, v in status.items() if k != "log"}))
+        return 0
+    table = Table(title=f"GPU types (policy {status['policy']})")
+    for column in ("GPU type", "devices", "busy", "jobs", "utilisation"):
+        table.add_column(column)
+    for gpu_type, t in status["types"].items():
+        jobs = ", ".join(f"{job} ({n})" for job, n in t["jobs"].items()) or "-"
+        table.add_row(gpu_type, str(t["devices"]), str(t["busy"]), jobs, f"{t['utilisation']:.0%}")
+    console.print(table)
+    queue = Table(title="queue")
+    for column in ("job", "class", "devices", "waiting"):
+        queue.add_column(column)
+    for w in status["queue"]:
+        queue.add_row(w["job"], w["class"], str(w["gpus"]), f"{w['waiting_s']:.0f} s")
+    console.print(queue if status["queue"] else "queue: empty")
     return 0
 
 
@@ -409,6 +475,51 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
     return command(args, console)
 
 
+def cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    """Deploy a trained model from a hetero-ray checkpoint with Ray Serve on the cluster at RAY_ADDRESS: one replica
+    per device of the given GPU types, placed by their label, answering POST {"text": ...} with the next byte and
+    its probability, batching concurrent requests. Prints the URL. `hetero_ray.serving.app.scale` changes the
+    replica count in place."""
+    from hetero_ray.serving.model import ServeError
+
+    types = [t.strip() for t in args.types.split(",")] if args.types else None
+    try:
+        if types is not None and not all(types):
+            raise ServeError(f"--types: comma-separated GPU type names (got {args.types!r})")
+        from hetero_ray.serving.app import deploy
+
+        replicas = _serve_through_ledger(args, types) if args.ledger else args.replicas
+        url = deploy(args.checkpoint, types, replicas, name=args.name, port=args.port, host=args.host)
+    except ServeError as exc:
+        print(f"hetero-ray: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"url": url, "name": args.name, "replicas": args.replicas, "gpu_types": types}))
+    else:
+        print(url)
+    return 0
+
+
+def _serve_through_ledger(args: argparse.Namespace, types: list[str] | None) -> int:
+    """Register the application with the job ledger; the replicas it may start now (the idle devices)."""
+    import ray
+
+    from hetero_ray.cluster.catalog import load_catalog
+    from hetero_ray.routing.client import open_ledger
+    from hetero_ray.routing.policy import PolicyError
+
+    if not types or len(types) != 1:
+        raise PolicyError(
+            "--ledger: name one GPU type in --types (the ledger counts each application's devices by type)"
+        )
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False, logging_level="WARNING")
+    ledger = open_ledger(args.ledger, load_catalog(), None)
+    now = ray.get(ledger.serve.remote(args.name, types[0], args.replicas))
+    if now == 0:
+        raise PolicyError(f"--types: no {types[0]} is idle now; serve when one is, or on another type")
+    return now
+
+
 PLAN_OPTIONS = (
     "model",
     "model_options",
@@ -513,6 +624,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune = command("tune", cmd_tune, "sweep batch-size shares per GPU type with Ray Tune, from the prediction")
     add_tune_arguments(tune)
+
+    submit = command(
+        "submit", cmd_submit, "submit a job of a class (train, finetune, inference) to the GPU types it prefers"
+    )
+    submit.add_argument("--class", dest="job_class", required=True, help="train, finetune or inference")
+    submit.add_argument("--gpus", type=int, default=1, help="devices the job needs (default 1)")
+    submit.add_argument("--only", help="comma-separated GPU types the job can use at all (e.g. for its memory)")
+    submit.add_argument("--policy", help="policy YAML: preferred types per class, fallback, priority")
+    submit.add_argument("--first-fit", action="store_true", help="no preference: Ray's own first fit (for comparison)")
+    submit.add_argument("--ledger", default="default", help="the cluster's job ledger to use (default: default)")
+    submit.add_argument("--gpus-file", help="YAML of extra GPU types")
+    submit.add_argument("--address", help="Ray address (default: RAY_ADDRESS)")
+    submit.add_argument("--json", action="store_true", help="print the job id as JSON")
+    submit.add_argument("command", nargs=argparse.REMAINDER, help="-- then the job's command")
+    status = command("status", cmd_status, "devices, busy devices, jobs, utilisation and queue per GPU type")
+    status.add_argument("--ledger", default="default", help="the cluster's job ledger (default: default)")
+    status.add_argument("--address", help="Ray address (default: RAY_ADDRESS)")
+    status.add_argument("--json", action="store_true", help="print the status as one JSON object")
+
+    serve = command("serve", cmd_serve, "serve a checkpoint's model with Ray Serve on idle GPU types")
+    serve.add_argument("--checkpoint", required=True, help="checkpoint directory of a hetero-ray run")
+    serve.add_argument("--types", help="GPU types to place replicas on, e.g. V100-16GB,T4 (default: any)")
+    serve.add_argument("--replicas", type=int, default=1, help="replicas, one device each (default 1)")
+    serve.add_argument("--name", default="hetero-ray", help="application name, the URL's path (default hetero-ray)")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port of Serve's proxy (default 8000)")
+    serve.add_argument("--host", default="127.0.0.1", help="address the proxy binds (default 127.0.0.1)")
+    serve.add_argument("--json", action="store_true", help="print the URL as one JSON object")
+    serve.add_argument(
+        "--ledger",
+        help="the cluster's job ledger (hetero-ray submit): the replicas take idle devices of one --types type, give "
+        "them to training and fine-tuning jobs that need them and grow back when they are free",
+    )
 
     env = command("env", cmd_env, "versions, GPUs, cgroup support and Ray settings of this machine")
     env.add_argument("--gpus", help="YAML of extra GPU types to recognise")
