@@ -33,6 +33,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -64,6 +66,23 @@ def started_cluster(console: Console, cpu_share: dict | None, attempts: int = 3)
                 raise
             console.print(f"the emulated cluster did not start ({exc}); retrying")
     raise ValueError(f"attempts: {attempts}; use at least 1")
+
+
+@contextmanager
+def connected(console: Console, cpu_share: dict | None) -> Iterator[None]:
+    """This process connected to a freshly started emulated cluster, stopped at the end."""
+    cluster = started_cluster(console, cpu_share)
+    os.environ.update(cluster.env)  # before `import ray`: Ray reads its auth mode at import
+    import ray
+
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+    finally:
+        cluster.stop()
 
 
 def main() -> int:
@@ -115,45 +134,36 @@ def main() -> int:
     searched = next(iter(space.bounds))
     console = Console(stderr=True)
 
-    cluster = started_cluster(console, CPU_SHARE if throttled else None)
-    os.environ.update(cluster.env)  # before `import ray`: Ray reads its auth mode at import
-    import ray
-    from ray import tune
+    with connected(console, CPU_SHARE if throttled else None):
+        from ray import tune
 
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        try:
-            sweep = run_sweep(cfg, raw, settings, console)
-            grid_points = space.grid(searched, args.grid_points)
-            base = trial_base(cfg, settings)
-            grid_results = run_trials(
-                base,
-                space.reference,
-                settings,
-                dilation,
-                param_space={f"{WEIGHT_PREFIX}{searched}": tune.grid_search(grid_points)},
-                search=None,
-                console=console,
-                name=f"{base.run.name}-grid",
-            )
-            grid = trials_frame(grid_results, space)
-            grid_best, sweep_best = best_trial(grid_results, grid), sweep.best
-            weight = f"{WEIGHT_PREFIX}{searched}"
-            chosen = [float(sweep_best[weight]), float(grid_best[weight])]
-            side_results = run_trials(
-                base,
-                space.reference,
-                settings,
-                dilation,
-                param_space={weight: tune.grid_search(chosen * args.repeats)},
-                search=None,
-                console=console,
-                name=f"{base.run.name}-side-by-side",
-            )
-        finally:
-            ray.shutdown()
-    finally:
-        cluster.stop()
+        sweep = run_sweep(cfg, raw, settings, console)
+        grid_points = space.grid(searched, args.grid_points)
+        base = trial_base(cfg, settings)
+        grid_results = run_trials(
+            base,
+            space.reference,
+            settings,
+            dilation,
+            param_space={f"{WEIGHT_PREFIX}{searched}": tune.grid_search(grid_points)},
+            search=None,
+            console=console,
+            name=f"{base.run.name}-grid",
+        )
+        grid = trials_frame(grid_results, space)
+        grid_best, sweep_best = best_trial(grid_results, grid), sweep.best
+        weight = f"{WEIGHT_PREFIX}{searched}"
+        chosen = [float(sweep_best[weight]), float(grid_best[weight])]
+        side_results = run_trials(
+            base,
+            space.reference,
+            settings,
+            dilation,
+            param_space={weight: tune.grid_search(chosen * args.repeats)},
+            search=None,
+            console=console,
+            name=f"{base.run.name}-side-by-side",
+        )
     grid.to_csv(out / "grid.csv", index=False)
     side = trials_frame(side_results, space)
     remeasured = side.groupby(weight)["samples_per_s"].mean()
@@ -220,18 +230,8 @@ def precision_bench(args, raw: dict, settings, throttled: bool, started: float) 
     raw = {**raw, "train": {**raw["train"], "split": {"A100-80GB": 4, "V100-16GB": 1}}}
     cfg = parse_config(raw)
     console = Console(stderr=True)
-    cluster = started_cluster(console, CPU_SHARE if throttled else None)
-    os.environ.update(cluster.env)  # before `import ray`: Ray reads its auth mode at import
-    import ray
-
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        try:
-            sweep = run_precision_sweep(cfg, raw, settings, console)
-        finally:
-            ray.shutdown()
-    finally:
-        cluster.stop()
+    with connected(console, CPU_SHARE if throttled else None):
+        sweep = run_precision_sweep(cfg, raw, settings, console)
     result = {
         "emulated": True,
         "mode": args.mode,

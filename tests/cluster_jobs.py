@@ -64,11 +64,9 @@ def ray_cli(cluster: EmulatedCluster, *args: str, timeout: float = 60) -> str:
     return out.stdout
 
 
-def submit(cluster: EmulatedCluster, tmp: Path, cfg: dict, env: dict[str, str] | None = None) -> tuple[str, Path]:
-    """`ray job submit --no-wait` of jobs/train.py (``env``: more environment for the job and its workers);
-    returns (submission id, result path)."""
-    cfg_path, out_path = tmp / f"{cfg['run']['name']}.yaml", tmp / f"{cfg['run']['name']}-{uuid.uuid4().hex[:6]}.json"
-    cfg_path.write_text(yaml.safe_dump(cfg))
+def submit_command(cluster: EmulatedCluster, command: list[str], env: dict[str, str] | None = None) -> str:
+    """`ray job submit --no-wait` of ``command`` (``env``: more environment for the job and its workers); returns
+    the submission id."""
     job_id = f"test-{uuid.uuid4().hex[:8]}"
     ray_cli(
         cluster,
@@ -82,14 +80,17 @@ def submit(cluster: EmulatedCluster, tmp: Path, cfg: dict, env: dict[str, str] |
         "--runtime-env-json",
         json.dumps({"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15", **(env or {})}}),
         "--",
-        sys.executable,
-        str(REPO / "jobs" / "train.py"),
-        "--config",
-        str(cfg_path),
-        "--output",
-        str(out_path),
+        *command,
     )
-    return job_id, out_path
+    return job_id
+
+
+def submit(cluster: EmulatedCluster, tmp: Path, cfg: dict, env: dict[str, str] | None = None) -> tuple[str, Path]:
+    """`ray job submit --no-wait` of jobs/train.py with ``cfg``; returns (submission id, result path)."""
+    cfg_path, out_path = tmp / f"{cfg['run']['name']}.yaml", tmp / f"{cfg['run']['name']}-{uuid.uuid4().hex[:6]}.json"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    command = [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(cfg_path), "--output", str(out_path)]
+    return submit_command(cluster, command, env), out_path
 
 
 def job_status(cluster: EmulatedCluster, job_id: str) -> str:

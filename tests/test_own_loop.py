@@ -7,13 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import uuid
 
 import pytest
 import ray
 import ray.data
 import torch
-from cluster_jobs import REPO, ray_cli, wait_for
+from cluster_jobs import REPO, ray_cli, submit_command, wait_for
 
 from hetero_ray.config import ConfigError, parse_config
 from hetero_ray.plan.data_parallel import Infeasible, plan_data_parallel
@@ -28,22 +27,9 @@ def test_own_loop_on_a_2_to_1_split_trains_like_one_process(cluster, tmp_path):
     """20 steps, A100s 4 samples each (two micro-batches of 2), V100s 2: the parameters end within 1e-5 of one
     process on the full batch, with clipping and the schedule on; a checkpoint and the held-out loss came back."""
     out = tmp_path / "own-loop.json"
-    job_id = f"test-own-loop-{uuid.uuid4().hex[:6]}"
-    ray_cli(
-        cluster,
-        "job",
-        "submit",
-        "--no-wait",
-        "--submission-id",
-        job_id,
-        "--",
-        sys.executable,
-        str(REPO / "examples" / "own_loop.py"),
-        "--check",
-        "--storage",
-        str(tmp_path / "runs"),
-        "--output",
-        str(out),
+    example = REPO / "examples" / "own_loop.py"
+    job_id = submit_command(
+        cluster, [sys.executable, str(example), "--check", "--storage", str(tmp_path / "runs"), "--output", str(out)]
     )
     assert wait_for(cluster, job_id, timeout=400) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
     result = json.loads(out.read_text())

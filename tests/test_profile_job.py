@@ -8,14 +8,12 @@ authentication, as in tests/test_training.py.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
+from cluster_jobs import REPO, ray_cli, submit_command, wait_for
 
 from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.cluster.emulation import EmulatedCluster
@@ -27,7 +25,6 @@ from hetero_ray.perf.model import fit_perf_model
 from hetero_ray.plan.cost import compute_seconds
 from hetero_ray.workloads import build_workload
 
-REPO = Path(__file__).resolve().parents[1]
 OPTIONS = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "corpus_bytes": 20_000}
 ARGS = ["--options", json.dumps(OPTIONS), "--micro-batches", "1,2,4", "--precisions", "fp32,bf16", "--repeats", "2"]
 
@@ -38,45 +35,12 @@ def cluster():
         yield c
 
 
-def ray_cli(cluster: EmulatedCluster, *args: str, timeout: float = 60) -> str:
-    out = subprocess.run(["ray", *args], env=cluster.env, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
-
-
-def wait_for(cluster: EmulatedCluster, job_id: str, timeout: float = 300) -> str:
-    """The job's final status, from what `ray job status` prints for running and for finished jobs."""
-    words = {"succeeded": "SUCCEEDED", "was stopped": "STOPPED", "failed": "FAILED"}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = ray_cli(cluster, "job", "status", job_id)
-        found = re.search(rf"Status for job '{job_id}': (\w+)|Job '{job_id}' (succeeded|was stopped|failed)", out)
-        assert found, out
-        status = found.group(1) or words[found.group(2)]
-        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
-            return status
-        time.sleep(2)
-    raise TimeoutError(f"job {job_id} still not finished after {timeout} s")
-
-
 @pytest.fixture(scope="module")
 def first_profile(cluster, tmp_path_factory) -> Path:
     """`ray job submit -- python jobs/profile_gpus.py` writes a new history."""
     path = tmp_path_factory.mktemp("profile") / "history.parquet"
-    job_id = f"test-profile-{uuid.uuid4().hex[:8]}"
-    ray_cli(
-        cluster,
-        "job",
-        "submit",
-        "--no-wait",
-        "--submission-id",
-        job_id,
-        "--",
-        sys.executable,
-        str(REPO / "jobs" / "profile_gpus.py"),
-        "--history",
-        str(path),
-        *ARGS,
+    job_id = submit_command(
+        cluster, [sys.executable, str(REPO / "jobs" / "profile_gpus.py"), "--history", str(path), *ARGS]
     )
     status = wait_for(cluster, job_id)
     assert status == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]

@@ -86,35 +86,30 @@ _SOURCE = (
     f"nvidia-smi mig -lgip; {MIG_GUIDE}"
 )
 
+_A100_LINK = "PCIe Gen4 x16, 64 GB/s (no NVLink or P2P between MIG instances)"
+
+
+def _a100_profiles(gb_per_memory_slice: int) -> tuple[MigProfile, ...]:
+    """The A100's six profiles: the 40 GB and 80 GB cards differ only in the memory of a slice (5 or 10 GB)."""
+    # (compute slices, profile id, NVML profile index, memory slices, SMs, most instances)
+    rows = (
+        (1, 19, 0, 1, 14, 7),
+        (1, 15, 9, 2, 14, 4),
+        (2, 14, 1, 2, 28, 3),
+        (3, 9, 2, 4, 42, 2),
+        (4, 5, 3, 4, 56, 1),
+        (7, 0, 4, 8, 98, 1),
+    )
+    return tuple(
+        _profile(f"{g}g.{gb_per_memory_slice * m}gb", pid, nvml, m, sms, most) for g, pid, nvml, m, sms, most in rows
+    )
+
+
 MIG_PARENTS: Mapping[str, MigParent] = {
     # The A100 has 108 SMs enabled; in MIG mode a compute slice is 14 SMs and the seven give 98, so even
     # 7g.40gb/7g.80gb run at 98/108 of the whole GPU.
-    "A100-40GB": MigParent(
-        sms=108,
-        host_link="PCIe Gen4 x16, 64 GB/s (no NVLink or P2P between MIG instances)",
-        host_link_gbs=64,
-        profiles=(
-            _profile("1g.5gb", 19, 0, 1, 14, 7),
-            _profile("1g.10gb", 15, 9, 2, 14, 4),
-            _profile("2g.10gb", 14, 1, 2, 28, 3),
-            _profile("3g.20gb", 9, 2, 4, 42, 2),
-            _profile("4g.20gb", 5, 3, 4, 56, 1),
-            _profile("7g.40gb", 0, 4, 8, 98, 1),
-        ),
-    ),
-    "A100-80GB": MigParent(
-        sms=108,
-        host_link="PCIe Gen4 x16, 64 GB/s (no NVLink or P2P between MIG instances)",
-        host_link_gbs=64,
-        profiles=(
-            _profile("1g.10gb", 19, 0, 1, 14, 7),
-            _profile("1g.20gb", 15, 9, 2, 14, 4),
-            _profile("2g.20gb", 14, 1, 2, 28, 3),
-            _profile("3g.40gb", 9, 2, 4, 42, 2),
-            _profile("4g.40gb", 5, 3, 4, 56, 1),
-            _profile("7g.80gb", 0, 4, 8, 98, 1),
-        ),
-    ),
+    "A100-40GB": MigParent(sms=108, host_link=_A100_LINK, host_link_gbs=64, profiles=_a100_profiles(5)),
+    "A100-80GB": MigParent(sms=108, host_link=_A100_LINK, host_link_gbs=64, profiles=_a100_profiles(10)),
     # H100 SXM5: 132 SMs, and 7g.80gb holds all of them.
     "H100-80GB": MigParent(
         sms=132,
