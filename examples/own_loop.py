@@ -113,6 +113,7 @@ def train_loop_per_worker(cfg: dict) -> None:
         lr_schedule.load_state_dict(state["schedule"])
         step = state["step"] + 1
     held_out = torch.arange(len(data) - HELD_OUT, len(data))
+    resumed_from = step
     epoch = step // len(loader)
     while step < cfg["steps"]:
         loader.batch_sampler.set_epoch(epoch)
@@ -131,7 +132,12 @@ def train_loop_per_worker(cfg: dict) -> None:
             optimizer.step()
             optimizer.zero_grad()
             lr_schedule.step()
-            metrics = {"step": step, "loss": all_reduce_mean(loss_sum / len(x)), "lr": lr_schedule.get_last_lr()[0]}
+            metrics = {
+                "step": step,
+                "loss": all_reduce_mean(loss_sum / len(x)),
+                "lr": lr_schedule.get_last_lr()[0],
+                "resumed_from_step": resumed_from,
+            }
             if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
                 model.eval()
                 with torch.no_grad():

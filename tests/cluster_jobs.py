@@ -112,6 +112,23 @@ def wait_for(cluster: EmulatedCluster, job_id: str, timeout: float = 300) -> str
     raise TimeoutError(f"job {job_id} still not finished after {timeout} s")
 
 
+def train_worker_pids(cluster: EmulatedCluster) -> list[int]:
+    """The pids of the live Ray Train workers of the cluster."""
+    out = ray_cli(
+        cluster,
+        "list",
+        "actors",
+        "--filter",
+        "class_name=RayTrainWorker",
+        "--filter",
+        "state=ALIVE",
+        "--detail",
+        "--format",
+        "json",
+    )
+    return [int(a["pid"]) for a in json.loads(out)]
+
+
 def final_params(result: dict) -> dict[str, torch.Tensor]:
     return torch.load(Path(result["checkpoint_path"]) / "model.pt")
 

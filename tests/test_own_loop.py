@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import sys
+import time
 
 import pytest
 import ray
 import ray.data
 import torch
-from cluster_jobs import REPO, ray_cli, submit_command, wait_for
+from cluster_jobs import REPO, job_status, ray_cli, submit_command, train_worker_pids, wait_for
 
 from hetero_ray.config import ConfigError, parse_config
 from hetero_ray.plan.data_parallel import Infeasible, plan_data_parallel
@@ -37,6 +40,28 @@ def test_own_loop_on_a_2_to_1_split_trains_like_one_process(cluster, tmp_path):
     assert sorted(result["split"]) == [["A100-80GB", 4, 2]] * 2 + [["V100-16GB", 2, 2]] * 2
     assert result["metrics"]["step"] == 19 and result["metrics"]["eval_loss"] > 0
     assert (tmp_path / "runs" / "own-loop").is_dir()
+
+
+def test_a_killed_worker_restarts_the_own_loop_from_its_checkpoint(cluster, tmp_path):
+    """SIGKILL one worker of the own loop after its first checkpoint: Ray Train restarts the group, the workers
+    are set up and planned again, the loop resumes from `ray.train.get_checkpoint()` (weights, AdamW, schedule,
+    data position) and ends where one process ends."""
+    out = tmp_path / "own-loop.json"
+    example = REPO / "examples" / "own_loop.py"
+    runs = tmp_path / "runs"
+    job_id = submit_command(
+        cluster,
+        [sys.executable, str(example), "--check", "--storage", str(runs), "--name", "kill", "--output", str(out)],
+    )
+    deadline = time.monotonic() + 240
+    while not list((runs / "kill").glob("checkpoint_*/state.pt")):
+        assert time.monotonic() < deadline and job_status(cluster, job_id) in ("PENDING", "RUNNING")
+        time.sleep(0.2)
+    os.kill(train_worker_pids(cluster)[-1], signal.SIGKILL)
+    assert wait_for(cluster, job_id, timeout=400) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    result = json.loads(out.read_text())
+    assert result["metrics"]["resumed_from_step"] > 0 and result["metrics"]["step"] == 19
+    assert result["split_max_abs"] <= 1e-5
 
 
 def test_the_workers_loaders_together_yield_each_global_batch_once():

@@ -25,6 +25,7 @@ from cluster_jobs import (
     run_config,
     single_process_reference,
     submit,
+    train_worker_pids,
     wait_for,
 )
 
@@ -57,22 +58,6 @@ def wait_for_checkpoint(
         assert job_status(cluster, job_id) in ("PENDING", "RUNNING"), ray_cli(cluster, "job", "logs", job_id)[-3000:]
         time.sleep(0.5)
     raise TimeoutError(f"no checkpoint in {run_dir}")
-
-
-def train_worker_pids(cluster: EmulatedCluster) -> list[int]:
-    out = ray_cli(
-        cluster,
-        "list",
-        "actors",
-        "--filter",
-        "class_name=RayTrainWorker",
-        "--filter",
-        "state=ALIVE",
-        "--detail",
-        "--format",
-        "json",
-    )
-    return [int(a["pid"]) for a in json.loads(out)]
 
 
 def test_killed_worker_restarts_from_its_checkpoint(cluster, tmp_path, reference):
