@@ -129,15 +129,18 @@ def cmd_submit(args: argparse.Namespace, console: Console) -> int:
 
     from hetero_ray.cluster.catalog import load_catalog
     from hetero_ray.routing.client import open_ledger, submit
-    from hetero_ray.routing.policy import check_class
+    from hetero_ray.routing.policy import FIRST_FIT, check_class, load_policy
 
     check_class(args.job_class)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    catalog = load_catalog(args.gpus_file)
+    # Checked before the cluster is reached; None: the default for the cluster's types.
+    policy = FIRST_FIT if args.first_fit else load_policy(args.policy, catalog) if args.policy else None
     ray.init(
         address=args.address or os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False, logging_level="WARNING"
     )
     try:
-        ledger = open_ledger(args.ledger, load_catalog(args.gpus_file), args.policy, first_fit=args.first_fit)
+        ledger = open_ledger(args.ledger, catalog, policy)
         only = args.only.split(",") if args.only else None
         job_id = submit(
             command, job_class=args.job_class, gpus=args.gpus, only=only, ledger=ledger, ledger_name=args.ledger

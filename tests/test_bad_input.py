@@ -668,6 +668,13 @@ CASES = [
     Case("plan-layers-short-of-workload", PLAN, "layers end at 4, workload has 6 (`n_layers=6`)",
          plan_file(pipeline_plan_dict, n_layers=lambda: 6), rf"{PLN}: roles\.1\.layers: pipeline 0 ends at layer 4; the workload has 6"),
     # hetero-ray tune.
+    Case("submit-unknown-class", "hetero-ray submit", "`--class trian`",
+         cli(lambda d: ["submit", "--class", "trian", "--", "echo"]),
+         r"--class: unknown job class 'trian' \(did you mean 'train'\?\); use one of train, finetune, inference"),
+    Case("submit-policy-unknown-type", "hetero-ray submit", "`--policy` preferring `A100` for training",
+         cli(lambda d: [(d / "policy.yaml").write_text("classes: {train: {prefer: [A100]}}"), "submit", "--class",
+                        "train", "--policy", str(d / "policy.yaml"), "--", "echo"][1:]),
+         r"{dir}/policy\.yaml: classes\.train\.prefer: unknown GPU type 'A100' \(did you mean"),
     Case("tune-resume-nothing-started", "hetero-ray tune", "`--resume` in an output dir where no sweep started",
          cli(lambda d: ["tune", *train(lambda d: config(d))(d)[1:3], "--output-dir", str(d / "out"), "--resume"]),
          r"--resume: no sweep was started in {dir}/out \({dir}/out/tune/sweep\.json is missing\); start one without --resume"),
@@ -700,7 +707,7 @@ def outcome(case: Case, tmp_path_factory: pytest.TempPathFactory) -> tuple[Outco
         d = tmp_path_factory.mktemp(case.id)
         result = case.run(d)
         # Inputs the case wrote are allowed; anything else (a result file, a run directory) is not.
-        inputs = {"run.yaml", "plan.json", "gpus.yaml", "cluster.yaml"}
+        inputs = {"run.yaml", "plan.json", "gpus.yaml", "cluster.yaml", "policy.yaml"}
         assert {p.name for p in d.iterdir()} <= inputs, sorted(p.name for p in d.iterdir())
         _OUTCOMES[case.id] = (result, d)
     return _OUTCOMES[case.id]

@@ -172,15 +172,19 @@ class Catalog:
         try:
             return self._specs[name]
         except KeyError:
-            # MIG types are listed by their cards, and suggested only for a name that asks for one.
+            # MIG types are listed by their cards.
             cards = [n for n in self.names() if MIG_MARK not in n]
             instances = [n for n in self.names() if MIG_MARK in n]
-            close = did_you_mean(name, instances if MIG_MARK in name else cards)
             mig = f" (and the MIG instances of some, e.g. {instances[0]})" if instances else ""
             raise UnknownGpuType(
-                f"unknown GPU type {name!r}{close}; known: {', '.join(cards)}{mig}; declare it in a gpus file "
+                f"unknown GPU type {name!r}{self.did_you_mean(name)}; known: {', '.join(cards)}{mig}; declare it in a gpus file "
                 f"(--gpus FILE or {GPUS_ENV_VAR}, same schema as hetero_ray/cluster/gpus.yaml)"
             ) from None
+
+    def did_you_mean(self, name: str) -> str:
+        """`` (did you mean …?)`` for a type name close to ``name`` (a MIG type only when ``name`` asks for one), or
+        ``""``."""
+        return did_you_mean(name, [n for n in self.names() if (MIG_MARK in n) == (MIG_MARK in name)])
 
     def __contains__(self, name: object) -> bool:
         return name in self._specs

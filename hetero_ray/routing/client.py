@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.cluster.emulation import EMULATED_RESOURCE, GPU_TYPE_LABEL
 from hetero_ray.routing.ledger import get_ledger
-from hetero_ray.routing.policy import FIRST_FIT, PolicyError, check_class, default_policy, load_policy
+from hetero_ray.routing.policy import Policy, PolicyError, check_class, default_policy
 
 
 def cluster_devices() -> dict[str, int]:
@@ -36,20 +36,15 @@ def cluster_devices() -> dict[str, int]:
     return {t: n for t, n in devices.items() if n}
 
 
-def open_ledger(name: str, catalog: Catalog, policy_path: str | None, first_fit: bool = False):
-    """The cluster's ledger ``name``, created with the policy (a file, first fit, or the default for the
-    cluster's types) when it is the first; ``PolicyError`` when it runs another policy than the one asked."""
+def open_ledger(name: str, catalog: Catalog, policy: Policy | None):
+    """The cluster's ledger ``name``, created with ``policy`` (``None``: the default for the cluster's types) when
+    it is the first; ``PolicyError`` when it runs another policy than the one asked."""
     import ray
 
     devices = cluster_devices()
     if not devices:
         raise PolicyError(f"the cluster has no node labelled {GPU_TYPE_LABEL}: no GPU type to route jobs to")
-    if first_fit:
-        policy = FIRST_FIT
-    elif policy_path:
-        policy = load_policy(policy_path, catalog)
-    else:
-        policy = default_policy(list(devices), catalog)
+    policy = policy or default_policy(list(devices), catalog)
     ledger = get_ledger(name, devices, policy)
     running = ray.get(ledger.policy_name.remote())
     if running != policy.name:

@@ -135,7 +135,7 @@ def load_policy(path: str, catalog: Catalog) -> Policy:
         for t in prefer:
             if t not in catalog:
                 raise PolicyError(
-                    f"{path}: classes.{job_class}.prefer: unknown GPU type {t!r}{did_you_mean(t, list(catalog))}"
+                    f"{path}: classes.{job_class}.prefer: unknown GPU type {t!r}{catalog.did_you_mean(t)}"
                 )
         rules[job_class] = ClassRule(prefer, bool(rule.get("fallback", True)))
     priority = tuple(data.get("priority") or CLASSES)
