@@ -22,7 +22,7 @@ from hetero_ray.routing.policy import Policy, PolicyError, check_class, default_
 
 def cluster_devices() -> dict[str, int]:
     """Devices per GPU type of the connected cluster's live nodes (by their ``hetero-ray/gpu-type`` label), in
-    the order the nodes joined."""
+    the order ``ray.nodes()`` lists them (by node id: the order first fit takes types in, which no one chose)."""
     import ray
 
     devices: dict[str, int] = {}
