@@ -24,7 +24,7 @@ def test_the_default_policy_sends_training_to_the_fastest_cards_and_finetuning_t
     policy = default_policy(["V100-16GB", "A100-80GB"], load_catalog())
     assert policy.order("train", TYPES) == ["A100-80GB"]  # waits for them: no fallback
     assert policy.order("finetune", TYPES) == ["V100-16GB", "A100-80GB"]
-    assert policy.order("inference", TYPES) == TYPES  # whatever is idle
+    assert policy.order("inference", TYPES) == ["V100-16GB", "A100-80GB"]  # whatever is idle, the older first
     assert [policy.rank(c) for c in ("train", "finetune", "inference")] == [0, 1, 2]
     assert FIRST_FIT.order("finetune", TYPES) == TYPES and FIRST_FIT.rank("inference") == 0
 

@@ -6,7 +6,7 @@ A policy file (YAML)::
     classes:
       train:     {prefer: [H100-80GB, A100-80GB], fallback: false}
       finetune:  {prefer: [V100-16GB], fallback: true}
-      inference: {prefer: [], fallback: true}       # no preference: any idle device
+      inference: {prefer: [], fallback: true}       # no preference: any idle device (the default: slowest first)
     priority: [train, finetune, inference]           # who gets freed devices first
 
 ``default_policy`` derives one from the cluster's types by their catalog speed. ``FIRST_FIT`` is what Ray
@@ -100,7 +100,8 @@ def speed_order(types: Sequence[str], catalog: Catalog) -> list[str]:
 
 def default_policy(types: Sequence[str], catalog: Catalog) -> Policy:
     """Training on the faster half of the cluster's types (waiting for them: a large model's memory and speed
-    are there), fine-tuning on the slower half (falling back to any), inference on whatever is idle."""
+    are there), fine-tuning on the slower half (falling back to any), inference on whatever is idle, the slowest
+    types first (an idle fast card taken by inference would keep a training job waiting)."""
     fastest = speed_order(types, catalog)
     half = math.ceil(len(fastest) / 2) if len(fastest) > 1 else 1
     fast, slow = fastest[:half], fastest[half:] or fastest
@@ -108,7 +109,7 @@ def default_policy(types: Sequence[str], catalog: Catalog) -> Policy:
         {
             "train": ClassRule(tuple(fast), fallback=len(fastest) == 1),
             "finetune": ClassRule(tuple(reversed(slow)), fallback=True),
-            "inference": ClassRule((), fallback=True),
+            "inference": ClassRule(tuple(reversed(fastest)), fallback=True),
         },
         CLASSES,
         "default",
