@@ -123,12 +123,14 @@ def test_jobs_of_each_class_land_on_the_types_their_class_prefers(cluster, tmp_p
         sys.executable,
         "-c",
         f"import os, time; open('{seen}/' + os.environ['HETERO_RAY_JOB_ID'], 'w').write("
-        "os.environ['HETERO_RAY_DEVICES']); time.sleep(float(os.sys.argv[1]))",
+        "os.environ['HETERO_RAY_DEVICES']); t = time.time()\n"
+        f"while os.sys.argv[1] == 'hold' and not os.path.exists('{seen}/release') and time.time() - t < 300: "
+        "time.sleep(0.2)",
     ]
     ledger = f"test-{time.time_ns()}"
     jobs = {}
-    # Each held long enough for all three to be submitted (a few seconds each) and the status read.
-    for name, job_class, hold in (("ft-1", "finetune", 30), ("tr-1", "train", 30), ("ft-2", "finetune", 1)):
+    # The first two hold their devices until the status has been read (the test then writes `release`).
+    for name, job_class, hold in (("ft-1", "finetune", "hold"), ("tr-1", "train", "hold"), ("ft-2", "finetune", "go")):
         out = hetero_ray(
             cluster,
             "submit",
@@ -148,6 +150,7 @@ def test_jobs_of_each_class_land_on_the_types_their_class_prefers(cluster, tmp_p
     status = hetero_ray(cluster, "status", "--ledger", ledger, "--json")
     assert status.returncode == 0, status.stderr
     busy = json.loads(status.stdout)
+    (seen / "release").write_text("")
     for job in jobs.values():
         assert wait_for(cluster, job, timeout=120) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job)[-2000:]
     got = {name: json.loads((seen / job).read_text()) for name, job in jobs.items()}
@@ -156,7 +159,7 @@ def test_jobs_of_each_class_land_on_the_types_their_class_prefers(cluster, tmp_p
     assert busy["types"]["A100-80GB"]["jobs"] == {jobs["tr-1"]: 2}
     assert [w["job"] for w in busy["queue"]] == [jobs["ft-2"]]
 
-    never = hetero_ray(cluster, "submit", "--class", "train", "--gpus", "3", "--ledger", ledger, "--", *probe, "1")
+    never = hetero_ray(cluster, "submit", "--class", "train", "--gpus", "3", "--ledger", ledger, "--", *probe, "go")
     assert never.returncode == 2
     assert never.stderr.strip().splitlines() == [
         "hetero-ray: error: --gpus: 3 devices can never be free for a train job here: its class may take "

@@ -75,7 +75,7 @@ class HeteroTrainer:
             cfg = parse_config({**cfg.model_dump(exclude_unset=True), "devices": dict(devices)}, "devices")
         if run_config is not None:
             cfg = _with_ray_run_config(cfg, run_config)
-        if cfg.elastic and train_loop_per_worker is not None:
+        if cfg.elastic and train_loop_per_worker not in (None, train_worker):
             raise ConfigError(
                 "train.min_workers: elastic runs need the built-in loop (a worker left without samples would hang an "
                 "own loop's collectives); drop min_workers"
