@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 
-from hetero_ray.cluster.emulation import EmulatedCluster
+from hetero_ray.cluster.emulation import start_retrying
 from hetero_ray.output import write_json
 
 REPO = Path(__file__).resolve().parent.parent
@@ -187,20 +187,6 @@ def summarise(label: str, rows: list[dict], began: float) -> dict:
     }
 
 
-def started_cluster(attempts: int = 3) -> EmulatedCluster:
-    """The throttled cluster, started; a start that misses Ray's registration deadline is retried (bench/tune.py)."""
-    for attempt in range(attempts):
-        cluster = EmulatedCluster(DEVICES, cpu_share=CPU_SHARE)
-        try:
-            return cluster.start()
-        except (RuntimeError, TimeoutError) as exc:
-            cluster.stop()
-            if attempt + 1 == attempts:
-                raise
-            print(f"the emulated cluster did not start ({exc}); retrying", file=sys.stderr)
-    raise ValueError(f"attempts: {attempts}; use at least 1")
-
-
 def settle(limit_s: float = 30.0) -> float:
     """Wait (at most ``limit_s``) until the machine is mostly idle again: the last run's processes gone."""
     began = time.monotonic()
@@ -228,7 +214,7 @@ def main() -> int:
     started = time.monotonic()
     stream = job_stream(args.seed, args.jobs, args.scale)
     tmp = Path(tempfile.mkdtemp(prefix="hetero-ray-job-mix-"))
-    cluster = started_cluster()
+    cluster = start_retrying(DEVICES, cpu_share=CPU_SHARE, on_retry=lambda line: print(line, file=sys.stderr))
     os.environ.update(cluster.env)  # before `import ray`: Ray reads its auth mode at import
     import ray
 

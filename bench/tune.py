@@ -39,7 +39,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from hetero_ray.cluster.emulation import EmulatedCluster
+from hetero_ray.cluster.emulation import start_retrying
 from hetero_ray.config import parse_config
 from hetero_ray.output import write_json
 from hetero_ray.strict_yaml import load_yaml
@@ -53,25 +53,10 @@ CPU_SHARE = {"A100-80GB": 0.48, "V100-16GB": 0.12}
 MEASUREMENTS = Path(__file__).resolve().parent.parent / "docs" / "measurements"
 
 
-def started_cluster(console: Console, cpu_share: dict | None, attempts: int = 3) -> EmulatedCluster:
-    """The emulated cluster, started; on a loaded shared host a raylet can miss Ray's registration deadline,
-    so a failed start is retried (fresh ports, fresh processes) up to ``attempts`` times."""
-    for attempt in range(attempts):
-        cluster = EmulatedCluster(DEVICES, cpu_share=cpu_share)
-        try:
-            return cluster.start()
-        except (RuntimeError, TimeoutError) as exc:
-            cluster.stop()
-            if attempt + 1 == attempts:
-                raise
-            console.print(f"the emulated cluster did not start ({exc}); retrying")
-    raise ValueError(f"attempts: {attempts}; use at least 1")
-
-
 @contextmanager
 def connected(console: Console, cpu_share: dict | None) -> Iterator[None]:
     """This process connected to a freshly started emulated cluster, stopped at the end."""
-    cluster = started_cluster(console, cpu_share)
+    cluster = start_retrying(DEVICES, cpu_share=cpu_share, on_retry=console.print)
     os.environ.update(cluster.env)  # before `import ray`: Ray reads its auth mode at import
     import ray
 

@@ -329,5 +329,23 @@ class EmulatedCluster:
                 signal.signal(signal.SIGTERM, self._sigterm.pop() or signal.SIG_DFL)
 
 
+def start_retrying(devices: Mapping[str, int], *, attempts: int = 3, on_retry=print, **options) -> EmulatedCluster:
+    """A started ``EmulatedCluster(devices, **options)``; on a loaded shared host a raylet can miss Ray's
+    registration deadline, so a failed start is retried with a fresh cluster (fresh ports, fresh processes) up
+    to ``attempts`` times, ``on_retry`` getting each failure's line."""
+    if attempts < 1:
+        raise ValueError(f"attempts: {attempts}; use at least 1")
+    for attempt in range(attempts):
+        cluster = EmulatedCluster(devices, **options)
+        try:
+            return cluster.start()
+        except (RuntimeError, TimeoutError) as exc:
+            cluster.stop()
+            if attempt + 1 == attempts:
+                raise
+            on_retry(f"the emulated cluster did not start ({exc}); retrying")
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
 def _exit_on_signal(signum, frame) -> None:
     raise SystemExit(128 + signum)
