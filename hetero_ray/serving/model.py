@@ -16,11 +16,9 @@ from typing import Any
 
 import torch
 
-from hetero_ray.train.checkpoint import CorruptCheckpoint, verify
+from hetero_ray.train.checkpoint import MODEL_FILE, STATE_FILE, CorruptCheckpoint, verify
 from hetero_ray.workloads.base import Workload, WorkloadError, build_workload
 
-# The files `train/loop.py` writes (its MODEL_FILE, STATE_FILE); not imported from there, which brings Ray.
-MODEL_FILE, STATE_FILE = "model.pt", "state.json"
 BYTE_VOCAB = 256
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+# What a training checkpoint holds (train/loop.py writes them; serving reads the model and the state).
+MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.pt", "optimizer.pt", "state.json"
 SCHEMA = 1
 # Ray Train's directory names (checkpoint_<timestamp>) and ours (checkpoint_<step>) share this prefix.
 PREFIX = "checkpoint_"

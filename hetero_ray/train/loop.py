@@ -32,7 +32,7 @@ from hetero_ray.plan.data_parallel import memory_fits
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
 from hetero_ray.train.batch_norm import share_batch_norm
 from hetero_ray.train.buckets import EmulatedLink
-from hetero_ray.train.checkpoint import restore_dir, write_checkpoint
+from hetero_ray.train.checkpoint import MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, restore_dir, write_checkpoint
 from hetero_ray.train.context import get_context
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group, sequence
@@ -43,7 +43,6 @@ from hetero_ray.train.sync import Synced, make_sync
 from hetero_ray.train.zero import spare_memory
 from hetero_ray.workloads import build_workload
 
-MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.pt", "optimizer.pt", "state.json"
 GiB = 2**30
 
 
