@@ -394,6 +394,7 @@ def _plan_request(args: argparse.Namespace):
         max_stages=args.max_stages,
         top=args.top,
         schedule=args.schedule,
+        max_tp=args.max_tp,
     )
 
 
@@ -530,6 +531,7 @@ PLAN_OPTIONS = (
     "optimizer",
     "efficiency",
     "max_stages",
+    "max_tp",
     "schedule",
     "top",
     "gpus",
@@ -544,6 +546,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="default adam")  # fmt: skip
     p.add_argument("--efficiency", type=float, default=0.4, help="fraction of catalog peak FLOP/s (default 0.4)")
     p.add_argument("--max-stages", type=int, default=8, help="most pipeline stages per pipeline (default 8)")
+    p.add_argument("--max-tp", type=int, default=1,
+                   help="largest tensor-parallel degree tried, a power of two (default 1: none)")  # fmt: skip
     p.add_argument("--schedule", default="1f1b", type=one_of(SCHEDULES, "schedule"), choices=SCHEDULES,
                    help="pipeline schedule (default 1f1b)")  # fmt: skip
     p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")

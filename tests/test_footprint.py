@@ -71,3 +71,25 @@ def test_huge_gpt_is_sized_without_allocating() -> None:
     assert fp.flops_per_sample == 6 * linear_weights * T + L * 3 * 4 * T * T * C
     # Each block saves at least the fp32 inputs of its four Linears: C, C, C and 4C floats per token.
     assert fp.activation_bytes_per_sample >= L * T * 7 * C * 4
+
+
+def test_what_a_tensor_parallel_split_divides_is_measured_per_block() -> None:
+    """A GPT block's split part: every FLOP (all are in its split matrices), every parameter but the layer
+    norms and row-parallel biases (6 C), and the activations the member of a 2-way split does not save;
+    a member at degree 2 or 4 holds its share of those. Embedding and head cannot be split."""
+    C, T = 64, 32
+    fp = measure_footprint(lambda: build_workload("gpt", {"n_layer": 2, "n_head": 4, "n_embd": C, "block_size": T}))
+    embed, block, _, head = fp.layers
+    assert not embed.splittable and not head.splittable
+    assert block.tp_params == block.params - 6 * C
+    assert block.tp_flops_per_sample == block.flops_per_sample > 0
+    # Four (T, C) fp32 tensors stay whole (the residual stream and both layer norms' outputs, once each),
+    # a little more for the layer norms' statistics; the rest is split.
+    whole = block.activation_bytes_per_sample - block.tp_activation_bytes_per_sample
+    assert 4 * T * C * 4 <= whole < 5 * T * C * 4
+    for degree in (2, 4):
+        member = block.shard(degree)
+        assert member.params == 6 * C + block.tp_params / degree
+        assert member.flops_per_sample == block.flops_per_sample / degree
+        assert member.output_bytes_per_sample == block.output_bytes_per_sample
+    assert block.shard(1) == block and embed.shard(4) == embed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,9 @@ from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.perf.footprint import Footprint, LayerCost, measure_footprint
 from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.plan.exhaustive import exhaustive_best_step
-from hetero_ray.plan.instances import random_instance
+from hetero_ray.plan.instances import random_instance, with_split
 from hetero_ray.plan.plan import Infeasible, Plan
+from hetero_ray.plan.plan_file import parse_plan
 from hetero_ray.plan.search import plan
 from hetero_ray.plan.stages import MeasuredSpeeds, stage_work, type_table
 from hetero_ray.plan.topology import uniform_topology
@@ -47,11 +49,12 @@ def check_invariants(p: Plan, rank_types: list[str], n_layers: int) -> None:
     assert Plan.from_dict(p.to_dict()) == p
     for t in set(r.gpu_type for r in p.roles):
         assert sum(r.gpu_type == t for r in p.roles) <= rank_types.count(t)
+    parse_plan(p.to_dict())  # the plan file's invariants, tensor-parallel groups included
     pipelines = sorted({r.pipeline for r in p.roles})
     assert pipelines == list(range(len(pipelines)))
     offset = 0
     for pipe in pipelines:
-        stages = sorted((r for r in p.roles if r.pipeline == pipe), key=lambda r: r.stage)
+        stages = sorted((r for r in p.roles if r.pipeline == pipe and r.tp_rank == 0), key=lambda r: r.stage)
         assert [r.stage for r in stages] == list(range(len(stages)))
         assert len({(r.local_batch, r.micro_batch, r.sample_offset) for r in stages}) == 1
         head = stages[0]
@@ -125,6 +128,72 @@ def test_search_is_optimal_on_small_instances(catalog, seed):
         check_invariants(p, ranks, len(inst.footprint.layers))
     assert [p.predicted_step_s for p in result] == sorted(p.predicted_step_s for p in result)
     assert result[0].predicted_step_s <= 1.01 * optimum
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_search_is_optimal_with_tensor_parallelism_in_its_space(catalog, seed):
+    """The degree is one more dimension the enumerator walks: every split, checkpointing and micro-batch of
+    every kind, at each degree, with the members' all-reduces priced by its own scalar sums."""
+    inst = random_instance(seed, catalog)
+    kw = dict(
+        global_batch=inst.global_batch,
+        topology=inst.topology,
+        max_stages=4,
+        micro_batches=(1, 2),
+        tensor_parallel=(1, 2, 4),
+    )
+    ranks = list(inst.rank_types)
+    result = plan(ranks, catalog, inst.footprint, **kw)
+    optimum = exhaustive_best_step(ranks, catalog, inst.footprint, **kw)
+    if isinstance(result, Infeasible):
+        assert optimum == float("inf")
+        return
+    for p in result:
+        check_invariants(p, ranks, len(inst.footprint.layers))
+    assert result[0].predicted_step_s <= 1.01 * optimum
+
+
+def test_tensor_parallelism_lets_cards_too_small_for_a_layer_join(catalog):
+    """Layers of 2^30 parameters (16 GiB of state each): no V100-16GB holds one, so without tensor
+    parallelism the V100s are unused whatever the pipeline; split over 2 or 4 V100s of a node they train,
+    and the step is shorter. The explanation says why the degree was chosen."""
+    fp = with_blocks(layered(4, 2**30, 6 * 2**30 * 1024, 0.05 * GiB, 8 * 2**20))
+    ranks = [A100] * 2 + [V100] * 8
+    topo = uniform_topology(catalog, ranks, gpus_per_node=4, inter_node_gbps=100)
+    without = plan(ranks, catalog, fp, global_batch=64, topology=topo)[0]
+    assert {e.gpu_type: e.count for e in without.excluded} == {V100: 8}
+    best = plan(ranks, catalog, fp, global_batch=64, topology=topo, tensor_parallel=(1, 2, 4))[0]
+    check_invariants(best, ranks, 4)
+    assert best.tensor_parallel > 1 and any(r.gpu_type == V100 for r in best.roles)
+    assert best.predicted_step_s < without.predicted_step_s
+    assert f"tensor-parallel degree {best.tensor_parallel}" in best.explanation
+    assert f"{without.predicted_step_s * 1e3:.4g} ms at degree 1" in best.explanation
+    members = [r for r in best.roles if r.gpu_type == V100]
+    assert {r.tp_rank for r in members} == set(range(best.tensor_parallel))
+    assert all(r.tp_weights == (1.0,) * best.tensor_parallel for r in members)
+
+
+def test_tensor_parallel_member_holds_its_shard_and_pays_its_all_reduces(catalog):
+    """A member's table: the split part of params, FLOPs and activations divided by the degree, and four
+    all-reduces of the layer's output per micro-batch on the node's link."""
+    fp = with_blocks(layered(2, 10**8, 6e11, 1e8, 4e6))
+    link = (50e9, 5e-6)
+    one = type_table(V100, catalog, fp.layers, precision="fp32", efficiency=0.4, seconds_per_sample=None)
+    two = type_table(
+        V100, catalog, fp.layers, precision="fp32", efficiency=0.4, seconds_per_sample=None, tp_degree=2, tp_link=link
+    )
+    split = fp.layers[0]
+    assert two.params[1] == split.params - split.tp_params / 2
+    assert two.flops[1] == pytest.approx(one.flops[1] / 2)
+    assert two.act[1] == pytest.approx(split.activation_bytes_per_sample - split.tp_activation_bytes_per_sample / 2)
+    # Ring of 2: each all-reduce sends the payload once and takes 2 latencies.
+    assert two.tp_per_sample[1] == pytest.approx(4 * 4e6 / 50e9)
+    assert two.tp_per_micro[1] == pytest.approx(4 * 2 * 5e-6)
+
+
+def with_blocks(fp: Footprint) -> Footprint:
+    """``fp`` with every layer splittable as a GPT block is (``plan/instances.py::with_split``)."""
+    return replace(fp, layers=tuple(with_split(c) for c in fp.layers))
 
 
 def test_enumerator_finds_what_a_restricted_search_misses(catalog):

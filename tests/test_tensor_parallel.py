@@ -1,4 +1,4 @@
-"""Uneven tensor parallelism of a GPT block (``train/tensor_parallel.py``) on real gloo ranks: outputs and
+"""Uneven tensor parallelism of a GPT block (``workloads/tensor_parallel.py``) on real gloo ranks: outputs and
 gradients equal to the unsplit block's, one all-reduce per sub-block each way, shards sized by their share."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from ranks import run_ranks
 
-from hetero_ray.train.tensor_parallel import REPLICATED, TensorParallelBlock, split_sizes
 from hetero_ray.workloads.gpt import Block
+from hetero_ray.workloads.tensor_parallel import REPLICATED, TensorParallelBlock, split_sizes
 
 C, HEADS, B, T = 64, 8, 2, 16
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from unittest import mock
 
 import torch
 from torch.utils._pytree import tree_map
@@ -17,6 +18,8 @@ from torch.utils.data import default_collate
 from torch.utils.flop_counter import FlopCounterMode
 
 from hetero_ray.workloads.base import Workload, WorkloadError
+from hetero_ray.workloads.gpt import Block
+from hetero_ray.workloads.tensor_parallel import TensorParallelBlock
 
 # Adam keeps two fp32 moments per parameter.
 OPTIMIZER_STATE_BYTES_PER_PARAM = 8
@@ -37,6 +40,27 @@ class LayerCost:
     flops_per_sample: float
     activation_bytes_per_sample: float
     output_bytes_per_sample: float
+    # What a tensor-parallel split divides among its members (0: the layer cannot be split): a GPT block's
+    # head and MLP-column parameters, the FLOPs and saved activations of their matrices.
+    tp_params: int = 0
+    tp_flops_per_sample: float = 0.0
+    tp_activation_bytes_per_sample: float = 0.0
+
+    @property
+    def splittable(self) -> bool:
+        return self.tp_params > 0
+
+    def shard(self, degree: int) -> LayerCost:
+        """One member's costs when ``degree`` devices split the layer evenly (the layer itself at degree 1)."""
+        if degree == 1 or not self.splittable:
+            return self
+        cut = (degree - 1) / degree
+        return replace(
+            self,
+            params=round(self.params - self.tp_params * cut),
+            flops_per_sample=self.flops_per_sample - self.tp_flops_per_sample * cut,
+            activation_bytes_per_sample=self.activation_bytes_per_sample - self.tp_activation_bytes_per_sample * cut,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,17 +158,37 @@ def layer_costs(workload: Workload, batch, probe_batch: int) -> tuple[LayerCost,
             return layered.output_loss(out[0], layered.targets(batch)) if last else out[0].sum()
 
         flops, act = _measure(run, params)
-        costs.append(
-            LayerCost(
-                params=sum(p.numel() for p in layer.parameters()),
-                flops_per_sample=flops / probe_batch,
-                activation_bytes_per_sample=act / probe_batch,
-                output_bytes_per_sample=out[0].numel() * out[0].element_size() / probe_batch,
-            )
+        cost = LayerCost(
+            params=sum(p.numel() for p in layer.parameters()),
+            flops_per_sample=flops / probe_batch,
+            activation_bytes_per_sample=act / probe_batch,
+            output_bytes_per_sample=out[0].numel() * out[0].element_size() / probe_batch,
         )
+        costs.append(with_split_costs(cost, layer, x_in, probe_batch))
         x = out[0]
     workload.model.zero_grad(set_to_none=True)
     return tuple(costs)
+
+
+def with_split_costs(cost: LayerCost, layer: torch.nn.Module, x_in: torch.Tensor, probe_batch: int) -> LayerCost:
+    """``cost`` with what a tensor-parallel split divides, for a layer the runtime can split (a GPT ``Block`` of
+    two heads or more): twice what one member of an even two-way split saves, measured on that member."""
+    if not isinstance(layer, Block) or layer.n_head < 2:
+        return cost
+    with torch.device("meta"):
+        member = TensorParallelBlock(layer, None, 0, (1.0, 1.0))
+    params = {p.untyped_storage()._cdata for p in member.parameters()}
+    # The member alone, its all-reduces left out: on the meta device they would move nothing anyway, and
+    # they save no tensors and count no FLOPs.
+    with mock.patch.object(torch.distributed, "all_reduce", lambda *args, **kwargs: None):
+        flops, act = _measure(lambda: member(x_in).sum(), params)
+    own = sum(p.numel() for p in member.parameters())
+    return replace(
+        cost,
+        tp_params=2 * (cost.params - own),
+        tp_flops_per_sample=2 * (cost.flops_per_sample - flops / probe_batch),
+        tp_activation_bytes_per_sample=2 * (cost.activation_bytes_per_sample - act / probe_batch),
+    )
 
 
 def measure_footprint(factory: Callable[[], Workload], probe_batch: int = 4) -> Footprint:

@@ -127,6 +127,24 @@ def hierarchical_allreduce_seconds(
     return t + link_seconds(ring_allreduce_bytes(payload_bytes, nodes), 2 * (nodes - 1), *inter)
 
 
+# A tensor-parallel GPT block all-reduces its full-size output twice forward (attention, MLP) and twice
+# backward (their inputs' gradients); activation checkpointing re-runs the forward: two more.
+TP_ALLREDUCES = 4
+TP_ALLREDUCES_CHECKPOINTED = 6
+
+
+def tp_allreduce_seconds(
+    bytes_per_sample: float, micro_batch: int, degree: int, link: tuple[float, float], *, checkpointing: bool = False
+) -> float:
+    """A tensor-parallel block's all-reduces in one micro-batch's forward and backward: each a ring over the
+    ``degree`` members of ``bytes_per_sample`` × ``micro_batch`` (the block's output) on ``link``."""
+    if degree == 1:
+        return 0.0
+    count = TP_ALLREDUCES_CHECKPOINTED if checkpointing else TP_ALLREDUCES
+    payload = bytes_per_sample * micro_batch
+    return count * link_seconds(ring_allreduce_bytes(payload, degree), 2 * (degree - 1), *link)
+
+
 def bubble_fraction(stages: int, micro_batches: int) -> float:
     """Idle share of a GPipe / 1F1B step with uniform stages: (S-1)/(M+S-1)."""
     return (stages - 1) / (micro_batches + stages - 1)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.config import ONEBIT_OPTIMIZERS
 from hetero_ray.perf.footprint import Footprint
-from hetero_ray.plan.cost import activation_scale, p2p_seconds, stage_compute_seconds
+from hetero_ray.plan.cost import activation_scale, p2p_seconds, stage_compute_seconds, tp_allreduce_seconds
 from hetero_ray.plan.memory import in_flight, stage_memory_bytes
 from hetero_ray.plan.search import (
     MICRO_BATCHES,
@@ -80,6 +80,16 @@ def kind_options(
                         flops = m * sum(c.flops_per_sample for c in span)
                         compute = stage_compute_seconds(
                             flops, specs[t].peak_flops(precs[t]), efficiency, checkpointing=ckpt
+                        ) + sum(
+                            tp_allreduce_seconds(
+                                c.output_bytes_per_sample * scale,
+                                m,
+                                space.tp_degree,
+                                space.topology.intra(t),
+                                checkpointing=ckpt,
+                            )
+                            for c in span
+                            if c.splittable
                         )
                         choices.append((ckpt, compute, compute + msgs, sum(c.params for c in span)))
                 if not choices:
@@ -133,8 +143,48 @@ def exhaustive_best_step(
     schedule: str = "1f1b",
     max_stages: int = 8,
     micro_batches: Sequence[int] = MICRO_BATCHES,
+    tensor_parallel: Sequence[int] = (1,),
 ) -> float:
-    """The shortest predicted step over every plan of the space (``inf`` if none fits)."""
+    """The shortest predicted step over every plan of the space (``inf`` if none fits), every
+    tensor-parallel degree of ``tensor_parallel`` tried."""
+    return min(
+        (
+            best_step_at_degree(
+                rank_types,
+                catalog,
+                footprint,
+                global_batch=global_batch,
+                topology=topology,
+                optimizer=optimizer,
+                precision=precision,
+                efficiency=efficiency,
+                schedule=schedule,
+                max_stages=max_stages,
+                micro_batches=micro_batches,
+                tp_degree=d,
+            )
+            for d in tensor_parallel
+        ),
+        default=math.inf,
+    )
+
+
+def best_step_at_degree(
+    rank_types: Sequence[str],
+    catalog: Catalog,
+    footprint: Footprint,
+    *,
+    global_batch: int,
+    topology: Topology,
+    optimizer: str,
+    precision: str,
+    efficiency: float,
+    schedule: str,
+    max_stages: int,
+    micro_batches: Sequence[int],
+    tp_degree: int,
+) -> float:
+    """The shortest predicted step over the plans whose stages are groups of ``tp_degree`` devices."""
     space = build_space(
         rank_types,
         catalog,
@@ -148,8 +198,11 @@ def exhaustive_best_step(
         max_stages=max_stages,
         micro_batches=micro_batches,
         seconds_per_sample=None,
+        tp_degree=tp_degree,
     )
-    layers = workload_layers(footprint)
+    if space is None:
+        return math.inf
+    layers = tuple(c.shard(tp_degree) for c in workload_layers(footprint))
     cache: dict[tuple[str, ...], list[KindSplit]] = {}
 
     def options(types):

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
+from dataclasses import replace
 
 from hetero_ray.plan.memory import in_flight, stage_memory_bytes
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
 from hetero_ray.plan.search import Allocation, Group, Shape, Space
 
 GiB = 2**30
+
+
+def _roles(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int, pipelines: int) -> list[WorkerRole]:
+    """The roles of one stage: one worker, or the members of its tensor-parallel group (an even split)."""
+    role = _role(space, g, s, pipeline, units, offset, pipelines)
+    d = space.tp_degree
+    if d == 1:
+        return [role]
+    return [replace(role, tp_weights=(1.0,) * d, tp_rank=k) for k in range(d)]
 
 
 def _role(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int, pipelines: int) -> WorkerRole:
@@ -51,10 +62,19 @@ def _role(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int
     )
 
 
-def exclusion(gpu_type: str, count: int, shape: Shape, fits_alone: set[str]) -> Exclusion:
+def _devices(space: Space, n: int, gpu_type: str) -> str:
+    """``n`` workers of a type: devices, or tensor-parallel groups of them."""
+    if space.tp_degree == 1:
+        return f"{n} × {gpu_type}"
+    return f"{n} × ({space.tp_degree} × {gpu_type} tensor parallel)"
+
+
+def exclusion(gpu_type: str, count: int, shape: Shape, fits_alone: set[str], tp_degree: int) -> Exclusion:
     """Why ``count`` devices of ``gpu_type`` get no work in this plan."""
     used = {t for g in shape.groups for t in g.split.stage_types}
-    if gpu_type in used:
+    if tp_degree > 1 and gpu_type not in fits_alone and gpu_type not in used:
+        reason = f"no tensor-parallel group of {tp_degree} on one node, or none that fits its memory"
+    elif gpu_type in used:
         reason = "left over: too few to form another pipeline of the chosen shapes"
     elif gpu_type not in fits_alone:
         reason = "no pipeline of this type alone fits its memory, and the plan is faster without it in a mixed one"
@@ -72,11 +92,16 @@ def build_plan(space: Space, shape: Shape, alloc: Allocation, *, emulated: bool,
     roles, offset, p = [], 0, 0
     for g, units in zip(shape.groups, alloc.units):
         for u in units:
-            stage_roles = [_role(space, g, s, p, u, offset, pipelines) for s in range(g.split.stages)]
+            stage_roles = [r for s in range(g.split.stages) for r in _roles(space, g, s, p, u, offset, pipelines)]
             roles += stage_roles
             offset += stage_roles[0].local_batch
             p += 1
-    excluded = tuple(exclusion(t, n, shape, fits_alone) for t, n in shape.excluded)
+    used = Counter(r.gpu_type for r in roles)
+    excluded = tuple(
+        exclusion(t, n - used[t], shape, fits_alone, space.tp_degree)
+        for t, n in sorted(space.devices.items(), key=lambda tn: (tn[0] not in used, tn[0]))
+        if n > used[t]
+    )
     plan = Plan(
         global_batch=space.global_batch,
         # The batch is split by modelled speed, as the data-parallel planner's proportional split.
@@ -118,7 +143,7 @@ def _stage_runs(space: Space, g: Group, roles) -> list[str]:
         where = f"stage {run[0]}" if len(run) == 1 else f"stages {run[0]}-{run[-1]}"
         memory = max(roles[s].predicted_memory_bytes for s in run)
         parts.append(
-            f"{where} on {g.replicas} × {first.gpu_type} ({first.precision}) hold{'s' * (len(run) == 1)} "
+            f"{where} on {_devices(space, g.replicas, first.gpu_type)} ({first.precision}) hold{'s' * (len(run) == 1)} "
             f"{counts} layers [{first.layers[0]}, {last.layers[1]}) because {_why_layers(space, g, run[0])}; "
             f"up to {memory / GiB:.2f} of {first.memory_cap_bytes / GiB:g} GiB"
             + (", with activation checkpointing to fit" if first.activation_checkpointing else "")
@@ -136,7 +161,7 @@ def explain(space: Space, shape: Shape, alloc: Allocation, plan: Plan) -> str:
     first = 0
     for g, units in zip(shape.groups, alloc.units):
         split = g.split
-        roles = [r for r in plan.roles if r.pipeline == first]
+        roles = [r for r in plan.roles if r.pipeline == first and r.tp_rank == 0]  # one per stage
         batches = sorted(set(units))
         per = "/".join(str(u * g.unit) for u in batches)
         if split.stages == 1:
@@ -147,18 +172,24 @@ def explain(space: Space, shape: Shape, alloc: Allocation, plan: Plan) -> str:
                 else f"micro-batch {r.micro_batch}"
             )
             lines.append(
-                f"{g.replicas} × {r.gpu_type} data parallel ({r.precision}): {per} samples each, {why}, "
+                f"{_devices(space, g.replicas, r.gpu_type)} data parallel ({r.precision}): {per} samples each, {why}, "
                 f"{r.predicted_memory_bytes / GiB:.2f} of {r.memory_cap_bytes / GiB:g} GiB"
             )
         else:
             head = (
                 f"{g.replicas} pipeline{'s' * (g.replicas > 1)} of {split.stages} stages "
-                f"({' → '.join(f'{len(list(r))} × {t}' for t, r in itertools.groupby(split.stage_types))}), {per} samples each in micro-batches of {split.micro} "
+                f"({' → '.join(_devices(space, len(list(r)), t) for t, r in itertools.groupby(split.stage_types))}), {per} samples each in micro-batches of {split.micro} "
                 f"({space.schedule.upper()})"
             )
             parts = _stage_runs(space, g, roles)
             lines.append(head + ": " + "; ".join(parts))
         first += g.replicas
+    if space.tp_degree > 1:
+        lines.append(
+            f"tensor parallel: each stage is {space.tp_degree} devices of one type on one node splitting its GPT "
+            f"blocks' heads and MLP columns evenly, their all-reduces on the node's links (the times above are a "
+            f"member's, all-reduces included)"
+        )
     lines += [f"{e.count} × {e.gpu_type} unused: {e.reason}" for e in plan.excluded]
     if plan.predicted_comm_s != plan.predicted_comm_fp32_s:
         lines.append(

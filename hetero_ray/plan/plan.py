@@ -37,6 +37,15 @@ class WorkerRole:
     # [first, last) of the workload's layers; None: the whole model (pure data parallelism).
     layers: tuple[int, int] | None = None
     activation_checkpointing: bool = False
+    # Tensor parallelism: the workers of one (pipeline, stage) split its GPT blocks' heads and MLP columns in
+    # proportion to ``tp_weights`` (one per member, in ``tp_rank`` order); every member runs the stage's
+    # samples. None: the stage is one worker.
+    tp_weights: tuple[float, ...] | None = None
+    tp_rank: int = 0
+
+    @property
+    def tp_degree(self) -> int:
+        return len(self.tp_weights) if self.tp_weights else 1
 
     @property
     def accumulation_steps(self) -> int:
@@ -90,8 +99,13 @@ class Plan:
 
     @property
     def is_pipelined(self) -> bool:
-        """True when any worker holds only part of the model."""
-        return any(r.layers is not None for r in self.roles)
+        """True when any worker holds only part of the model (a tensor-parallel worker holds part of a layer)."""
+        return any(r.layers is not None or r.tp_weights for r in self.roles)
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The largest tensor-parallel degree of any stage (1: none)."""
+        return max((r.tp_degree for r in self.roles), default=1)
 
     @property
     def predicted_step_s(self) -> float:
@@ -119,7 +133,13 @@ class Plan:
         return cls(
             **{k: v for k, v in data.items() if k not in ("roles", "excluded")},
             roles=tuple(
-                WorkerRole(**{**r, "layers": tuple(r["layers"]) if r.get("layers") is not None else None})
+                WorkerRole(
+                    **{
+                        **r,
+                        "layers": tuple(r["layers"]) if r.get("layers") is not None else None,
+                        "tp_weights": tuple(r["tp_weights"]) if r.get("tp_weights") is not None else None,
+                    }
+                )
                 for r in data["roles"]
             ),
             excluded=tuple(Exclusion(**e) for e in data.get("excluded", ())),

@@ -41,9 +41,15 @@ class _Role(_Strict):
     stage: int = Field(0, ge=0)
     layers: tuple[int, int] | None = None
     activation_checkpointing: bool = False
+    tp_weights: tuple[float, ...] | None = Field(None, min_length=2)
+    tp_rank: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _ranges(self) -> _Role:
+        if self.tp_weights is not None and not all(0 < w < float("inf") for w in self.tp_weights):
+            raise ValueError(f"tp_weights {list(self.tp_weights)} must all be positive and finite")
+        if self.tp_rank >= len(self.tp_weights or (1,)):
+            raise ValueError(f"tp_rank {self.tp_rank} is not one of the {len(self.tp_weights or (1,))} members")
         if self.micro_batch > self.local_batch:
             raise ValueError(f"micro_batch {self.micro_batch} exceeds local_batch {self.local_batch}")
         if self.layers is not None and not 0 <= self.layers[0] < self.layers[1]:
@@ -102,7 +108,10 @@ def _one_line(exc: ValidationError, source: str) -> str:
 def _check_pipelines(plan: _Plan, n_layers: int | None) -> str | None:
     """The first broken invariant as ``field: what is wrong, what would be valid``; ``None`` if sound."""
     pipelines: dict[int, list[tuple[int, _Role]]] = {}
-    if all(r.layers is None for r in plan.roles):
+    problem = _check_tensor_groups(plan)
+    if problem:
+        return problem
+    if all(r.layers is None and r.tp_weights is None for r in plan.roles):
         # Pure data parallelism: every worker is a one-stage pipeline of its own (the
         # data-parallel planner leaves pipeline and stage at 0).
         staged = [i for i, r in enumerate(plan.roles) if r.stage != 0]
@@ -110,8 +119,10 @@ def _check_pipelines(plan: _Plan, n_layers: int | None) -> str | None:
             return f"roles.{staged[0]}.stage: {plan.roles[staged[0]].stage} without layer ranges; stages need layers"
         pipelines = {i: [(i, r)] for i, r in enumerate(plan.roles)}
     else:
+        # A tensor-parallel stage stands for its members (checked above) by its first.
         for i, role in enumerate(plan.roles):
-            pipelines.setdefault(role.pipeline, []).append((i, role))
+            if role.tp_rank == 0:
+                pipelines.setdefault(role.pipeline, []).append((i, role))
     if sorted(pipelines) != list(range(len(pipelines))):
         return f"roles.*.pipeline: pipelines are {sorted(pipelines)}; number them 0 to {len(pipelines) - 1}"
     ends: set[int] = set()
@@ -159,6 +170,34 @@ def _check_pipelines(plan: _Plan, n_layers: int | None) -> str | None:
     if offset != plan.global_batch:
         batches = [r.local_batch for _, r in heads]
         return f"roles.*.local_batch: pipelines' local batches {batches} sum to {offset}, not global_batch {plan.global_batch}"
+    return None
+
+
+def _check_tensor_groups(plan: _Plan) -> str | None:
+    """Each tensor-parallel stage has members 0…d−1 once, sharing weights and samples; a pipeline's stages
+    share the degree (member k of a stage talks to member k of the next)."""
+    stages: dict[tuple[int, int], list[tuple[int, _Role]]] = {}
+    for i, role in enumerate(plan.roles):
+        if role.tp_weights is not None or role.layers is not None:
+            stages.setdefault((role.pipeline, role.stage), []).append((i, role))
+    degrees: dict[int, int] = {}
+    for (p, s), members in sorted(stages.items()):
+        i, head = members[0]
+        d = len(head.tp_weights or (1,))
+        # Two workers of one unsplit stage are the stage check's to name.
+        if any(r.tp_weights is not None for _, r in members):
+            ranks = sorted(r.tp_rank for _, r in members)
+            if ranks != list(range(d)):
+                return f"roles.{i}.tp_rank: stage {s} of pipeline {p} has members {ranks}; each of 0 to {d - 1} exactly once"
+            for j, role in members:
+                for name in ("tp_weights", "layers", "local_batch", "micro_batch", "sample_offset"):
+                    if getattr(role, name) != getattr(head, name):
+                        return f"roles.{j}.{name}: differs from roles.{i}'s; the members of a tensor-parallel stage share it"
+        if degrees.setdefault(p, d) != d:
+            return (
+                f"roles.{i}.tp_weights: stage {s} of pipeline {p} has {d} members, another stage {degrees[p]}; "
+                "the stages of a pipeline share their tensor-parallel degree"
+            )
     return None
 
 

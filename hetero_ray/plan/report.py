@@ -20,7 +20,7 @@ from hetero_ray.config import OPTIMIZERS, ConfigError
 from hetero_ray.output import check_output, write_json
 from hetero_ray.perf.footprint import Footprint, measure_footprint
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
-from hetero_ray.plan.search import plan
+from hetero_ray.plan.search import plan, powers_of_two
 from hetero_ray.plan.topology import Topology, uniform_topology
 from hetero_ray.suggest import did_you_mean
 from hetero_ray.workloads import build_workload
@@ -40,6 +40,7 @@ class Request:
     max_stages: int
     top: int
     schedule: str
+    max_tp: int = 1
 
 
 def parse_model_options(text: str | None) -> dict:
@@ -71,6 +72,8 @@ def check_request(req: Request) -> None:
         raise ConfigError(f"--efficiency: must be in (0, 1] (got {req.efficiency})")
     if req.max_stages < 1 or req.top < 1:
         raise ConfigError(f"--max-stages and --top: must be >= 1 (got {req.max_stages}, {req.top})")
+    if req.max_tp < 1 or req.max_tp & (req.max_tp - 1):
+        raise ConfigError(f"--max-tp: must be a power of two >= 1, e.g. 1, 2, 4, 8 (got {req.max_tp})")
 
 
 def footprint_of(req: Request) -> Footprint:
@@ -117,6 +120,7 @@ def search(
             efficiency=req.efficiency,
             schedule=req.schedule,
             max_stages=req.max_stages,
+            tensor_parallel=powers_of_two(req.max_tp),
             top_k=req.top,
         )
     except ValueError as exc:

@@ -44,7 +44,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -248,7 +248,9 @@ class Shape:
 class Space:
     """Everything the shapes of one planning problem share."""
 
-    counts: dict[str, int]
+    counts: dict[str, int]  # devices per type; tensor-parallel groups per type at ``tp_degree`` > 1
+    devices: dict[str, int]  # devices per type
+    tp_degree: int  # every stage of every plan of the space is a group of this many devices of one type
     order: tuple[str, ...]  # types by memory, then speed: the stage order of mixed kinds
     tables: dict[str, TypeTable]
     topology: Topology
@@ -515,8 +517,10 @@ def build_space(
     micro_batches: Sequence[int],
     seconds_per_sample: SecondsPerSample | None,
     reduce_dtype: str = "fp32",
-) -> Space:
-    """Validate the inputs and tabulate every type's layer costs."""
+    tp_degree: int = 1,
+) -> Space | None:
+    """Validate the inputs and tabulate every type's layer costs; at ``tp_degree`` > 1, those of groups of
+    that many devices of a type on one node (``None`` when no type has such a group)."""
     if global_batch < 1:
         raise ValueError(f"global_batch: must be >= 1 (got {global_batch})")
     if schedule not in SCHEDULES:
@@ -527,19 +531,34 @@ def build_space(
         raise ValueError(f"max_stages: must be >= 1 (got {max_stages})")
     if not rank_types:
         raise ValueError("devices: no devices to plan for; give at least one GPU")
-    counts = dict(Counter(rank_types))
+    devices = dict(Counter(rank_types))
     layers = workload_layers(footprint)
+    for t in devices:
+        topology.node(t)
+    counts = {
+        t: n // tp_degree for t, n in devices.items() if n >= tp_degree and topology.node(t).gpus_per_node >= tp_degree
+    }
+    if not counts:
+        return None
     tables = {
         t: type_table(
-            t, catalog, layers, precision=precision, efficiency=efficiency, seconds_per_sample=seconds_per_sample
+            t,
+            catalog,
+            layers,
+            precision=precision,
+            efficiency=efficiency,
+            seconds_per_sample=seconds_per_sample,
+            tp_degree=tp_degree,
+            tp_link=topology.intra(t),
         )
         for t in counts
     }
-    for t in counts:
-        topology.node(t)
+    topology = grouped_topology(topology, tp_degree)
     order = tuple(sorted(counts, key=lambda t: (-tables[t].cap_bytes, tables[t].seconds_per_flop, t)))
     return Space(
         counts=counts,
+        devices=devices,
+        tp_degree=tp_degree,
         order=order,
         tables=tables,
         topology=topology,
@@ -551,6 +570,23 @@ def build_space(
         layers=len(layers),
         tensors=len(footprint.param_numels) or len(layers),
         wire_bytes=WIRE_BYTES[reduce_dtype],
+    )
+
+
+def grouped_topology(topology: Topology, degree: int) -> Topology:
+    """The topology seen by tensor-parallel groups of ``degree`` devices: a node holds ``degree`` times fewer,
+    and the ``degree`` members' messages and all-reduces (one per shard) share the node's NIC."""
+    if degree == 1:
+        return topology
+    return Topology(
+        nodes={
+            t: replace(
+                n, gpus_per_node=n.gpus_per_node // degree, nic_bandwidth_bytes_s=n.nic_bandwidth_bytes_s / degree
+            )
+            for t, n in topology.nodes.items()
+            if n.gpus_per_node >= degree
+        },
+        inter_latency_s=topology.inter_latency_s,
     )
 
 
@@ -570,6 +606,7 @@ def plan(
     micro_batches: Sequence[int] = MICRO_BATCHES,
     seconds_per_sample: SecondsPerSample | None = None,
     reduce_dtype: str = "fp32",
+    tensor_parallel: Sequence[int] = (1,),
     top_k: int = 5,
 ) -> list[Plan] | Infeasible:
     """The ``top_k`` best plans for workers of ``rank_types`` (one GPU type per worker), best first.
@@ -578,24 +615,73 @@ def plan(
     (``adam``, ``onebit_adam``, ``zero_one_adam``) sizes optimizer state and, for
     the 1-bit ones, prices the compressed phase; ``seconds_per_sample`` overrides
     the FLOPs-based speed of a type with a measured one; ``reduce_dtype`` prices the gradients on the wire
-    (``train.reduce_dtype``). Raises ``ValueError``
+    (``train.reduce_dtype``); ``tensor_parallel``: the degrees tried, each for a whole plan (every stage a
+    group of that many devices of one type on one node). Raises ``ValueError``
     (one line) on bad input; returns ``Infeasible`` when no plan of the space fits.
     """
-    space = build_space(
-        rank_types,
-        catalog,
-        footprint,
-        global_batch=global_batch,
-        topology=topology,
-        optimizer=optimizer,
-        precision=precision,
-        efficiency=efficiency,
-        schedule=schedule,
-        max_stages=max_stages,
-        micro_batches=micro_batches,
-        seconds_per_sample=seconds_per_sample,
-        reduce_dtype=reduce_dtype,
+    if not tensor_parallel or any(d < 1 or d & (d - 1) for d in tensor_parallel):
+        raise ValueError(f"tensor_parallel: degrees must be powers of two (got {list(tensor_parallel)})")
+    found = []
+    reasons = []
+    for degree in sorted(set(tensor_parallel)):
+        space = build_space(
+            rank_types,
+            catalog,
+            footprint,
+            global_batch=global_batch,
+            topology=topology,
+            optimizer=optimizer,
+            precision=precision,
+            efficiency=efficiency,
+            schedule=schedule,
+            max_stages=max_stages,
+            micro_batches=micro_batches,
+            seconds_per_sample=seconds_per_sample,
+            reduce_dtype=reduce_dtype,
+            tp_degree=degree,
+        )
+        if space is None:
+            continue
+        best = search_space(space, top_k)
+        if isinstance(best, str):
+            reasons.append(best)
+        else:
+            found += [(step, degree, space, shape, alloc, fits) for step, shape, alloc, fits in best]
+    if not found:
+        return Infeasible(reasons[0])
+    # Imported here: explain builds on this module's types.
+    from hetero_ray.plan.explain import build_plan
+
+    ranked = sorted(found, key=lambda f: (f[0], f[1]))[:top_k]
+    plans = [
+        build_plan(space, shape, alloc, emulated=emulated, fits_alone=fits)
+        for _, _, space, shape, alloc, fits in ranked
+    ]
+    if len(set(tensor_parallel)) == 1:
+        return plans
+    # Why the degree: the best plan of each other degree tried, against this one.
+    best = {}
+    for step, degree, *_ in sorted(found, key=lambda f: (f[0], f[1])):
+        best.setdefault(degree, step)
+    return [replace(p, explanation=p.explanation + "; " + tp_comparison(p, best, tensor_parallel)) for p in plans]
+
+
+def tp_comparison(chosen: Plan, best: Mapping[int, float], tried: Sequence[int]) -> str:
+    """One clause: this plan's tensor-parallel degree against the best plan of every other degree tried."""
+    others = [
+        f"{best[d] * 1e3:.4g} ms at degree {d}" if d in best else f"none fits at degree {d}"
+        for d in sorted(set(tried))
+        if d != chosen.tensor_parallel
+    ]
+    return (
+        f"tensor-parallel degree {chosen.tensor_parallel} ({chosen.predicted_step_s * 1e3:.4g} ms) against "
+        + ", ".join(others)
     )
+
+
+def search_space(space: Space, top_k: int) -> list[tuple[float, Shape, Allocation, frozenset[str]]] | str:
+    """The ``top_k`` best (step, shape, allocation, the types some single-type pipeline fits) of one space,
+    best first; or one line saying why none fits."""
     kinds = Kinds(space)
     made: dict[tuple[tuple[str, ...], int], Group] = {}
 
@@ -609,7 +695,7 @@ def plan(
     owner = np.concatenate([np.full(b.lower.size, i) for i, b in enumerate(space_blocks)]) if space_blocks else lower
     start = np.concatenate([[0], np.cumsum([b.lower.size for b in space_blocks])])
     if not np.isfinite(lower).any():
-        return Infeasible(infeasible_reason(space))
+        return infeasible_reason(space)
     # Branch and bound, no shape missed: shapes in order of their lower bound (the continuous
     # batch split plus the exact communication); the walk stops when the bound passes the k-th best.
     best: list[tuple[float, int, Shape, Allocation]] = []  # max-heap of the top_k by step time
@@ -633,18 +719,14 @@ def plan(
         elif step < kth:
             heapq.heapreplace(best, (-step, -int(i), shape, alloc))
     if not best:
-        return Infeasible(
-            f"global batch {global_batch} cannot be split over any plan's pipelines in whole micro-batches; "
+        return (
+            f"global batch {space.global_batch} cannot be split over any plan's pipelines in whole micro-batches; "
             f"use a larger global batch (a multiple of {max(space.micro_batches)})"
         )
-    ranked = sorted(best, key=lambda b: (-b[0], -b[1]))
-    # Imported here: explain builds on this module's types.
-    from hetero_ray.plan.explain import build_plan
-
-    fits_alone = {
+    fits_alone = frozenset(
         t for t in space.order if any(kinds.get((t,) * s) for s in space.stage_options(t, space.counts[t])[1:])
-    }
-    return [build_plan(space, shape, alloc, emulated=emulated, fits_alone=fits_alone) for _, _, shape, alloc in ranked]
+    )
+    return [(-step, shape, alloc, fits_alone) for step, _, shape, alloc in sorted(best, key=lambda b: (-b[0], -b[1]))]
 
 
 def infeasible_reason(space: Space) -> str:

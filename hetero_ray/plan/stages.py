@@ -23,7 +23,13 @@ import numpy as np
 from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.config import ONEBIT_OPTIMIZERS
 from hetero_ray.perf.footprint import Footprint, LayerCost
-from hetero_ray.plan.cost import RECOMPUTE_FACTOR, activation_scale
+from hetero_ray.plan.cost import (
+    RECOMPUTE_FACTOR,
+    TP_ALLREDUCES,
+    TP_ALLREDUCES_CHECKPOINTED,
+    activation_scale,
+    tp_allreduce_seconds,
+)
 from hetero_ray.plan.memory import ADAM_STATE_BYTES, WEIGHT_AND_GRAD_BYTES, in_flight
 from hetero_ray.train.precision import choose_precision
 
@@ -84,6 +90,12 @@ class TypeTable:
     per_sample_at: Callable[[int], float | None] | None
     fixed_s: float  # a step's measured fixed time, which every stage pays per micro-batch (0: none measured)
     flops: np.ndarray  # prefix sums, length L + 1
+    model_flops: float  # the whole model's (unsplit): what a measured speed is a rate of
+    # Tensor parallelism over ``tp_degree`` devices: every cost above is one member's; its all-reduces cost
+    # ``tp_per_sample`` × micro-batch + ``tp_per_micro`` per micro-batch (prefix sums; zeros at degree 1).
+    tp_degree: int
+    tp_per_sample: np.ndarray
+    tp_per_micro: np.ndarray
     act: np.ndarray
     inputs: np.ndarray  # input bytes of each layer (the previous layer's output), prefix sums
     params: np.ndarray
@@ -99,11 +111,25 @@ def type_table(
     precision: str,
     efficiency: float,
     seconds_per_sample: SecondsPerSample | None,
+    tp_degree: int = 1,
+    tp_link: Link | None = None,
 ) -> TypeTable:
-    """Per-layer costs of ``layers`` on ``gpu_type``, as prefix sums."""
+    """Per-layer costs of ``layers`` on ``gpu_type``, as prefix sums: one device's, or one member's of a
+    tensor-parallel group of ``tp_degree`` devices of the type, whose all-reduces cross ``tp_link``."""
     spec = catalog.get(gpu_type)
     prec = choose_precision(spec, precision)
     total_flops = sum(c.flops_per_sample for c in layers)
+    scale = activation_scale(prec)
+    tp_per_sample = np.zeros(len(layers))
+    tp_per_micro = np.zeros(len(layers))
+    if tp_degree > 1:
+        for k, c in enumerate(layers):
+            if c.splittable:  # seconds(m) = a·m + b: bandwidth per sample, latency per micro-batch
+                tp_per_sample[k] = tp_allreduce_seconds(
+                    c.output_bytes_per_sample * scale, 1, tp_degree, (tp_link[0], 0)
+                )
+                tp_per_micro[k] = tp_allreduce_seconds(0.0, 1, tp_degree, tp_link)
+        layers = tuple(c.shard(tp_degree) for c in layers)
     measured, per_sample_at, fixed_s = None, None, 0.0
     if callable(seconds_per_sample):
         measured = seconds_per_sample(gpu_type, prec, None)
@@ -123,12 +149,16 @@ def type_table(
     return TypeTable(
         gpu_type=gpu_type,
         precision=prec,
-        scale=activation_scale(prec),
+        scale=scale,
         seconds_per_flop=spf,
         per_sample_at=per_sample_at,
         fixed_s=fixed_s,
         cap_bytes=float(spec.memory_bytes),
         flops=np.concatenate([[0.0], np.cumsum([c.flops_per_sample for c in layers])]),
+        model_flops=total_flops,
+        tp_degree=tp_degree,
+        tp_per_sample=np.concatenate([[0.0], np.cumsum(tp_per_sample)]),
+        tp_per_micro=np.concatenate([[0.0], np.cumsum(tp_per_micro)]),
         act=np.concatenate([[0.0], np.cumsum(act)]),
         inputs=np.concatenate([[0.0], np.cumsum(np.concatenate([[0.0], out[:-1]]))]),
         params=np.concatenate([[0.0], np.cumsum([float(c.params) for c in layers])]),
@@ -178,15 +208,20 @@ def stage_work(table: TypeTable, *, micro: int, flight: int, optimizer: str, wor
         # data-parallel worker's rate: the caches a small micro-batch uses better (measured on CPUs) made
         # throttled pipelines look cheaper than the data parallelism they displaced, and ran slower. On top,
         # the step's fixed part in full (``MeasuredSpeeds``), not only its share of the layers.
-        spf = max(spf, (table.per_sample_at(micro) or 0.0) / table.flops[-1])
+        spf = max(spf, (table.per_sample_at(micro) or 0.0) / table.model_flops)
         fixed = (1.0 - flops / table.flops[-1]) * table.fixed_s
     compute = flops * spf * micro + fixed
+    tp = (table.tp_per_sample[None, :] - table.tp_per_sample[:, None]) * micro + (
+        table.tp_per_micro[None, :] - table.tp_per_micro[:, None]
+    )
     n = len(table.out)
     idx = np.arange(n + 1)
     valid = idx[None, :] > idx[:, None]
     plain = valid & (mem_plain <= table.cap_bytes)
     ckpt = valid & ~plain & (mem_ckpt <= table.cap_bytes)
-    compute = np.where(ckpt, compute * RECOMPUTE_FACTOR, compute)
+    compute = np.where(ckpt, compute * RECOMPUTE_FACTOR, compute) + np.where(
+        ckpt, tp * (TP_ALLREDUCES_CHECKPOINTED / TP_ALLREDUCES), tp
+    )
     return StageCost(
         seconds=np.where(plain | ckpt, compute, np.inf),
         compute=compute,

@@ -27,7 +27,8 @@ summing them there would count them ``ranks`` times. Across data-parallel replic
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,41 +68,54 @@ def _ranges(sizes: Sequence[int]) -> list[tuple[int, int]]:
     return [(s, s + n) for s, n in zip(starts, sizes)]
 
 
+# Called after each all-reduce with the reduced tensor and when (``time.perf_counter``) the all-reduce began:
+# where an emulated device holds it to its modelled link.
+AllReduceHook = Callable[[torch.Tensor, float], None]
+
+
+def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, hook: AllReduceHook | None) -> torch.Tensor:
+    started = time.perf_counter()
+    dist.all_reduce(t, group=group)
+    if hook is not None:
+        hook(t, started)
+    return t
+
+
 class _CopyToParallel(torch.autograd.Function):
     """Megatron's ``f``: the identity forward, the sum of the ranks' gradients backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None, hook: AllReduceHook | None) -> torch.Tensor:
+        ctx.group, ctx.hook = group, hook
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_reduce(grad.contiguous().clone(), ctx.group, ctx.hook), None, None
 
 
 class _ReduceFromParallel(torch.autograd.Function):
     """Megatron's ``g``: the sum of the ranks' partial outputs forward, the identity backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None, hook: AllReduceHook | None) -> torch.Tensor:
+        return _all_reduce(x.contiguous().clone(), group, hook)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
 
 
-def copy_to_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    return _CopyToParallel.apply(x, group)
+def copy_to_parallel(
+    x: torch.Tensor, group: dist.ProcessGroup | None, hook: AllReduceHook | None = None
+) -> torch.Tensor:
+    return _CopyToParallel.apply(x, group, hook)
 
 
-def reduce_from_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    return _ReduceFromParallel.apply(x, group)
+def reduce_from_parallel(
+    x: torch.Tensor, group: dist.ProcessGroup | None, hook: AllReduceHook | None = None
+) -> torch.Tensor:
+    return _ReduceFromParallel.apply(x, group, hook)
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -111,7 +125,8 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 class TensorParallelBlock(nn.Module):
     """This rank's shard of a GPT ``Block`` over ``group``, cut from the full block's weights (every rank starts
     from the same full block): heads and MLP hidden columns in proportion to ``weights`` (one per rank of the
-    group), the hidden columns in multiples of ``mlp_unit``. Layer norms and row-parallel biases replicated."""
+    group), the hidden columns in multiples of ``mlp_unit``. Layer norms and row-parallel biases replicated.
+    ``hook``: called after each of its all-reduces (``AllReduceHook``)."""
 
     def __init__(
         self,
@@ -120,6 +135,7 @@ class TensorParallelBlock(nn.Module):
         rank_in_group: int,
         weights: Sequence[float],
         mlp_unit: int = 1,
+        hook: AllReduceHook | None = None,
     ):
         super().__init__()
         C, n_head = block.qkv.in_features, block.n_head
@@ -130,41 +146,55 @@ class TensorParallelBlock(nn.Module):
             raise ValueError(
                 f"{len(weights)} weights for a group of {dist.get_world_size(group)} ranks: give one weight per rank"
             )
-        self.group, self.rank, self.head_size = group, rank_in_group, C // n_head
+        self.group, self.rank, self.head_size, self.hook = group, rank_in_group, C // n_head, hook
         self.head_sizes = split_sizes(n_head, weights)
         self.hidden_sizes = split_sizes(hidden, weights, mlp_unit)
         h0, h1 = _ranges(self.head_sizes)[rank_in_group]
-        m0, m1 = _ranges(self.hidden_sizes)[rank_in_group]
         self.n_head = h1 - h0
-        cols = slice(h0 * self.head_size, h1 * self.head_size)  # this rank's heads' channels in q, k and v
-        w = block.qkv.weight  # (3C, C): q rows, then k rows, then v rows
+        self._cols = slice(h0 * self.head_size, h1 * self.head_size)  # this rank's heads' channels in q, k and v
+        self._hidden = slice(*_ranges(self.hidden_sizes)[rank_in_group])
+        mine = {k: _param(t) for k, t in self.cut(block.state_dict()).items()}
         self.ln1 = nn.LayerNorm(C)
-        self.ln1.load_state_dict(block.ln1.state_dict())
-        self.qkv_weight = _param(torch.cat([w[cols], w[C:][cols], w[2 * C :][cols]]))  # (3 · heads · hs, C)
-        self.proj_weight = _param(block.proj.weight[:, cols])  # (C, heads · hs)
-        self.proj_bias = _param(block.proj.bias)
+        self.ln1.weight, self.ln1.bias = mine["ln1.weight"], mine["ln1.bias"]
+        self.qkv_weight = mine["qkv.weight"]  # (3 · heads · hs, C)
+        self.proj_weight = mine["proj.weight"]  # (C, heads · hs)
+        self.proj_bias = mine["proj.bias"]
         self.ln2 = nn.LayerNorm(C)
-        self.ln2.load_state_dict(block.ln2.state_dict())
-        self.fc_weight = _param(block.mlp[0].weight[m0:m1])  # (hidden share, C)
-        self.fc_bias = _param(block.mlp[0].bias[m0:m1])
-        self.out_weight = _param(block.mlp[2].weight[:, m0:m1])  # (C, hidden share)
-        self.out_bias = _param(block.mlp[2].bias)
+        self.ln2.weight, self.ln2.bias = mine["ln2.weight"], mine["ln2.bias"]
+        self.fc_weight = mine["mlp.0.weight"]  # (hidden share, C)
+        self.fc_bias = mine["mlp.0.bias"]
+        self.out_weight = mine["mlp.2.weight"]  # (C, hidden share)
+        self.out_bias = mine["mlp.2.bias"]
+
+    def cut(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of each tensor of ``full`` (named as the full block's: its weights, or anything laid
+        out like them, such as Adam's moments): q, k and v rows of its heads, their columns of ``proj``, its
+        hidden rows of ``mlp.0`` and columns of ``mlp.2``; the replicated tensors whole."""
+        cols, hidden = self._cols, self._hidden
+        pieces = {
+            "qkv.weight": lambda w: torch.cat([third[cols] for third in w.unflatten(0, (3, -1))]),
+            "proj.weight": lambda w: w[:, cols],
+            "mlp.0.weight": lambda w: w[hidden],
+            "mlp.0.bias": lambda w: w[hidden],
+            "mlp.2.weight": lambda w: w[:, hidden],
+        }
+        return {k: pieces[k](t) if k in pieces else t for k, t in full.items()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        h = copy_to_parallel(self.ln1(x), self.group)
+        h = copy_to_parallel(self.ln1(x), self.group, self.hook)
         q, k, v = F.linear(h, self.qkv_weight).split(self.n_head * self.head_size, dim=2)
         q, k, v = (t.view(B, T, self.n_head, self.head_size).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
-        x = x + reduce_from_parallel(F.linear(y, self.proj_weight), self.group) + self.proj_bias
-        h = copy_to_parallel(self.ln2(x), self.group)
+        x = x + reduce_from_parallel(F.linear(y, self.proj_weight), self.group, self.hook) + self.proj_bias
+        h = copy_to_parallel(self.ln2(x), self.group, self.hook)
         m = F.gelu(F.linear(h, self.fc_weight, self.fc_bias))
-        return x + reduce_from_parallel(F.linear(m, self.out_weight), self.group) + self.out_bias
+        return x + reduce_from_parallel(F.linear(m, self.out_weight), self.group, self.hook) + self.out_bias
 
-    def local_state(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
-        """This shard's tensors (or their gradients) by the name of the full block's tensor each is cut from."""
-        pick = (lambda p: None if p.grad is None else p.grad.detach()) if grads else (lambda p: p.detach())
-        named = {
+    def by_full_name(self) -> dict[str, nn.Parameter]:
+        """This shard's parameters by the name of the full block's tensor each is cut from, in the order of the
+        full block's ``parameters()``."""
+        return {
             "ln1.weight": self.ln1.weight,
             "ln1.bias": self.ln1.bias,
             "qkv.weight": self.qkv_weight,
@@ -177,15 +207,24 @@ class TensorParallelBlock(nn.Module):
             "mlp.2.weight": self.out_weight,
             "mlp.2.bias": self.out_bias,
         }
-        return {k: pick(p) for k, p in named.items()}
+
+    def split_parameters(self) -> list[nn.Parameter]:
+        """The parameters cut from the block (the rest, in ``REPLICATED``, every member holds whole)."""
+        return [p for k, p in self.by_full_name().items() if k not in REPLICATED]
+
+    def local_state(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
+        """This shard's tensors (or their gradients) by the name of the full block's tensor each is cut from."""
+        pick = (lambda p: None if p.grad is None else p.grad.detach()) if grads else (lambda p: p.detach())
+        return {k: pick(p) for k, p in self.by_full_name().items()}
 
     def gather(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
         """The full block's state dict (or its gradients, keyed the same) on every rank of the group: each
         rank's shard sent to all (``all_gather_object``, on the CPU), then laid out as the unsplit block's."""
         mine = {k: None if t is None else t.cpu() for k, t in self.local_state(grads).items()}
         shards: list = [None] * len(self.head_sizes)
-        dist.all_gather_object(shards, mine, group=self.group)
-        return assemble(shards)
+        # The group orders its ranks by global rank, which need not be the members' order.
+        dist.all_gather_object(shards, (self.rank, mine), group=self.group)
+        return assemble([shard for _, shard in sorted(shards, key=lambda x: x[0])])
 
 
 def assemble(shards: Sequence[dict[str, torch.Tensor | None]]) -> dict[str, torch.Tensor | None]:
