@@ -146,6 +146,12 @@ class TrainConfig(_Strict):
     max_micro_batch: int | None = Field(
         None, gt=0, description="Cap on samples per forward pass (else memory decides)."
     )
+    max_tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description="Largest tensor-parallel degree the planner may choose for a whole plan (a power of two): "
+        "every stage a group of that many devices of one type on one node, splitting its GPT blocks. 1: none.",
+    )
     checkpoint_every: int = Field(20, gt=0, description="Steps between checkpoints.")
     report_every: int = Field(10, gt=0, description="Steps between metric reports.")
     duration_s: float | None = Field(
@@ -202,6 +208,13 @@ class TrainConfig(_Strict):
         description="Elastic: seconds between Ray Train's checks for returned devices; on finding more it "
         "restarts the group from the last checkpoint with them (ScalingConfig.elastic_resize_monitor_interval_s).",
     )
+
+    @field_validator("max_tensor_parallel")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"{v} is not a power of two; use 1, 2, 4 or 8")
+        return v
 
     @field_validator("split")
     @classmethod
@@ -381,6 +394,25 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"train.grad_clip: {self.optimizer.name} applies its own compressed momentum, which hetero-ray does "
                 "not clip; use adam to clip, or drop grad_clip"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_splits_blocks(self) -> RunConfig:
+        train = self.train
+        why = (
+            f"optimizer {self.optimizer.name}"
+            if self.optimizer.name in ONEBIT_OPTIMIZERS
+            else f"optimizer.zero_stage {self.optimizer.zero_stage}"
+            if self.optimizer.zero_stage
+            else f"train.split {train.split!r}"
+            if train.split != "proportional"
+            else None
+        )
+        if train.max_tensor_parallel > 1 and why:
+            raise ValueError(
+                f"train.max_tensor_parallel: {train.max_tensor_parallel} needs the placement planner, and {why} "
+                "runs data parallelism only; use max_tensor_parallel: 1 with it"
             )
         return self
 

@@ -138,6 +138,18 @@ def pipeline_plan_dict() -> dict:
     return {"global_batch": 8, "split": "proportional", "emulated": True, "roles": roles, "predicted_compute_s": 0.3}
 
 
+def tp_plan_dict(members: int, second_stage_tp: bool = True, weights: list | None = None) -> dict:
+    """One 2-stage pipeline whose stage 0 is a tensor-parallel group of two A100s (``members`` of them
+    listed), stage 1 two A100s as well, or one V100 without ``second_stage_tp``."""
+    role = {**pipeline_plan_dict()["roles"][0], "local_batch": 8, "tp_weights": weights or [1, 1]}
+    roles = [{**role, "tp_rank": k} for k in range(members)]
+    if second_stage_tp:
+        roles += [{**role, "stage": 1, "layers": [3, 4], "tp_rank": k} for k in range(2)]
+    else:
+        roles.append({**pipeline_plan_dict()["roles"][1], "local_batch": 8})
+    return {"global_batch": 8, "split": "proportional", "emulated": True, "roles": roles, "predicted_compute_s": 0.3}
+
+
 def two_stage_plan() -> dict:
     """BASE's devices as one pipeline: the A100 holds TINY_GPT's embedding and block, the V100 its head."""
     roles = [
@@ -437,6 +449,25 @@ CASES = [
          rf"{PLN}: duplicate key 'global_batch'; give each key once$"),
     Case("plan-schedule-close", PLAN, "`schedule: 1f1`", plan_file(lambda: pipeline_plan_dict() | {"schedule": "1f1"}),
          rf"{PLN}: schedule: unknown schedule '1f1' \(did you mean '1f1b'\?\); use one of 1f1b, gpipe$"),
+    Case("plan-tp-member-missing", PLAN, "a tensor-parallel stage (`tp_weights: [1, 1]`) with only member 0",
+         plan_file(lambda: tp_plan_dict(members=1)),
+         rf"{PLN}: roles\.0\.tp_rank: stage 0 of pipeline 0 has members \[0\]; each of 0 to 1 exactly once$"),
+    Case("plan-tp-degrees-differ", PLAN, "a pipeline whose stage 0 has 2 tensor-parallel members and stage 1 one",
+         plan_file(lambda: tp_plan_dict(members=2, second_stage_tp=False)),
+         rf"{PLN}: roles\.2\.tp_weights: stage 1 of pipeline 0 has 1 members, another stage 2; the stages of a "
+         r"pipeline share their tensor-parallel degree$"),
+    Case("plan-tp-weight-zero", PLAN, "`tp_weights: [1, 0]`",
+         plan_file(lambda: tp_plan_dict(members=2, weights=[1, 0])),
+         rf"{PLN}: roles\.0: tp_weights \[1\.0, 0\.0\] must all be positive and finite"),
+    Case("max-tensor-parallel-not-power-of-two", TRAIN, "`train: {max_tensor_parallel: 3}`",
+         cli(train(lambda d: config(d, train__max_tensor_parallel=3))),
+         rf"{CFG}: train\.max_tensor_parallel: 3 is not a power of two; use 1, 2, 4 or 8$"),
+    Case("max-tensor-parallel-with-onebit", TRAIN, "`train: {max_tensor_parallel: 2}`, `optimizer: {name: onebit_adam}`",
+         cli(train(lambda d: config(d, train__max_tensor_parallel=2, optimizer={"name": "onebit_adam"}))),
+         rf"{CFG}: train\.max_tensor_parallel: 2 needs the placement planner, and optimizer onebit_adam runs data "
+         r"parallelism only; use max_tensor_parallel: 1 with it$"),
+    Case("plan-cmd-max-tp", "hetero-ray plan", "`--max-tp 3`",
+         cli(lambda d: ["plan", "--max-tp", "3"]), r"--max-tp: must be a power of two >= 1, e.g. 1, 2, 4, 8 \(got 3\)$"),
     # A key given twice, in every file hetero-ray reads (YAML would keep the last one silently).
     Case("duplicate-device", TRAIN, "`devices:` listing `A100-80GB` twice",
          cli(train(lambda d: config(d).replace("  V100-16GB: 1\n", "  V100-16GB: 1\n  A100-80GB: 2\n", 1))),

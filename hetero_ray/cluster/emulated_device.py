@@ -15,14 +15,14 @@ autograd's saved-tensor hooks, so an emulated OOM is a measured one.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from hetero_ray.cluster.catalog import GpuSpec
-from hetero_ray.plan.cost import activation_scale, compute_seconds, link_seconds
+from hetero_ray.plan.cost import activation_scale, compute_seconds, link_seconds, ring_allreduce_bytes
 
 GiB = 2**30
 
@@ -56,6 +56,8 @@ class EmulatedDevice:
     # Changed by emulated events: a throttled device (speed < 1), a device with less memory.
     speed: float = field(default=1.0, init=False)
     memory_bytes: int = field(default=0, init=False)
+    # Modelled seconds of the tensor-parallel all-reduces so far, which a padded stage adds to its compute.
+    all_reduce_s: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         self.memory_bytes = self.spec.memory_bytes
@@ -80,6 +82,19 @@ class EmulatedDevice:
         if not sleep_until(started + modelled):
             self.overrun_steps += 1
         return modelled
+
+    def all_reduce_hook(self, link: tuple[float, float], members: int) -> Callable[[torch.Tensor, float], None]:
+        """Hold each all-reduce of a tensor-parallel group of ``members`` to the named ``link`` (bandwidth
+        bytes/s, latency s), as the planner prices it: a ring's bytes ÷ bandwidth + 2(members − 1) latencies,
+        × dilation, from when it began (loopback's own time counts toward it)."""
+
+        def hold(reduced: torch.Tensor, started: float) -> None:
+            payload = reduced.numel() * reduced.element_size()
+            seconds = self.dilation * link_seconds(ring_allreduce_bytes(payload, members), 2 * (members - 1), *link)
+            sleep_until(started + seconds)
+            self.all_reduce_s += seconds
+
+        return hold
 
     @contextmanager
     def memory_cap(self, model: torch.nn.Module, static_bytes: int) -> Iterator[None]:
@@ -177,6 +192,7 @@ class PaddedModule(torch.nn.Module):
         self.link, self.first, self.last = link, first, last
         self.busy_s = 0.0
         self._backward_started = 0.0
+        self._backward_reduced = 0.0
 
     def _receive(self, message: torch.Tensor) -> None:
         """Wait out a received message's time on the link (× dilation, as all emulated communication)."""
@@ -187,30 +203,32 @@ class PaddedModule(torch.nn.Module):
         if self.link and not self.last:
             self._receive(grad)
         self._backward_started = time.perf_counter()
+        self._backward_reduced = self.emu.all_reduce_s
 
-    def _finish(self, started: float, share: float) -> None:
-        """Pad the part of a micro-batch that began at ``started`` to ``share`` of its modelled time
-        (a throttled device: count the time it took)."""
+    def _finish(self, started: float, share: float, reduced_before: float) -> None:
+        """Pad the part of a micro-batch that began at ``started`` to ``share`` of its modelled time, plus the
+        modelled time of the tensor-parallel all-reduces inside it (``all_reduce_s`` was ``reduced_before``
+        then); a throttled device: count the time it took."""
         if not self.emu.padded:
             self.busy_s += time.perf_counter() - started
             return
-        modelled = self.emu.modelled_seconds(self.micro_batch) * share
+        modelled = self.emu.modelled_seconds(self.micro_batch) * share + self.emu.all_reduce_s - reduced_before
         if not sleep_until(started + modelled):
             self.emu.overrun_steps += 1
         self.busy_s += modelled
 
     def _end_backward(self, grad: torch.Tensor) -> None:
-        self._finish(self._backward_started, 1 - FORWARD_SHARE)
+        self._finish(self._backward_started, 1 - FORWARD_SHARE, self._backward_reduced)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.link and not self.first:
             self._receive(x)
-        started = time.perf_counter()
+        started, reduced = time.perf_counter(), self.emu.all_reduce_s
         rest = self.layers
         if not x.is_floating_point():
             x, rest = self.layers[0](x), self.layers[1:]
         if torch.is_grad_enabled() and x.requires_grad:
             x = _Mark.apply(x, self._end_backward)
         out = rest(x)
-        self._finish(started, FORWARD_SHARE)
+        self._finish(started, FORWARD_SHARE, reduced)
         return _Mark.apply(out, self._start_backward) if out.requires_grad else out

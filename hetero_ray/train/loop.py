@@ -35,7 +35,15 @@ from hetero_ray.train.buckets import EmulatedLink
 from hetero_ray.train.checkpoint import MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, restore_dir, write_checkpoint
 from hetero_ray.train.context import get_context
 from hetero_ray.train.data import GlobalBatches, collate
-from hetero_ray.train.pipeline import Stage, gather_whole_state, gradient_buckets, pipeline_group, sequence
+from hetero_ray.train.pipeline import (
+    Stage,
+    gather_whole_state,
+    gradient_buckets,
+    local_optimizer_state,
+    pipeline_group,
+    sequence,
+    tensor_group,
+)
 from hetero_ray.train.precision import autocast, choose_precision
 from hetero_ray.train.rebalance import Rebalancer, halve
 from hetero_ray.train.schedule import lr_at, set_lr
@@ -80,19 +88,35 @@ def train_worker(config: dict[str, Any]) -> None:
     # Same seed on every rank: identical initial weights without a broadcast.
     torch.manual_seed(cfg.train.seed)
     workload = build_workload(cfg.workload.name, cfg.workload.options)
+    # The whole model's state goes in before a tensor-parallel stage cuts its shards from it.
+    restored = _latest_checkpoint(cfg.run.run_dir)
+    if restored:
+        workload.model.load_state_dict(restored[0])
     stage_layers = range(*role.layers) if role and role.layers else range(len(footprint.layers))
     stage, buckets = None, None
     if plan.is_pipelined:
         group, ranks = pipeline_group(roles, rank)
+        tp_group = tensor_group(roles, rank)
         layers = list(workload.layered.layers(workload.model))
-        buckets = gradient_buckets(layers, roles, rank)
         for i in stage_layers if role else ():
             layers[i].to(device)
-        if len(ranks) > 1:
+        if len(ranks) > 1 or (role and role.tp_degree > 1):
             link = (cfg.link.bandwidth_bytes_s, cfg.link.latency_s) if cfg.link else None
+            # Before the buckets: a tensor-parallel stage cuts its shards into the model.
             stage = Stage(
-                workload, role, group, ranks, cfg.train.global_batch, device, emu, plan.schedule, link, precision
+                workload,
+                role,
+                group,
+                ranks,
+                cfg.train.global_batch,
+                device,
+                emu,
+                plan.schedule,
+                link,
+                precision,
+                tp_group,
             )
+        buckets = gradient_buckets(list(workload.layered.layers(workload.model)), roles, rank)
         model = workload.model
     else:
         model = workload.model.to(device)
@@ -107,7 +131,16 @@ def train_worker(config: dict[str, Any]) -> None:
         if emu and cfg.link
         else None
     )
-    sync = make_sync(model, cfg, device, precision, buckets, link, spare_memory(roles, rank_types, catalog, footprint))
+    sync = make_sync(
+        model,
+        cfg,
+        device,
+        precision,
+        buckets,
+        link,
+        spare_memory(roles, rank_types, catalog, footprint),
+        role.tp_degree if role else 1,
+    )
     # Weights, gradients and the optimizer state this rank holds (under ZeRO, its shard's alone).
     static_bytes = footprint.static_bytes - OPTIMIZER_STATE_BYTES_PER_PARAM * (
         footprint.param_count - sync.optimizer_elements
@@ -115,7 +148,10 @@ def train_worker(config: dict[str, Any]) -> None:
     # gloo's threads leave the device's slice (they are its host's). A thread is named only once it runs, so
     # those of the groups just made may not show yet: again after the first step.
     free_comm_threads(device_slice)
-    start_step, history = _restore(model, sync, cfg.run.run_dir)
+    start_step, history = 0, []
+    if restored:
+        sync.load_state_dict(local_optimizer_state(model, restored[1]))
+        start_step, history = restored[2]["step"] + 1, [tuple(x) for x in restored[2]["history"]]
     gpu_ids = ray.get_gpu_ids() if device.type == "cuda" else []
     monitor = WorkerMonitor(
         run=cfg.run.name,
@@ -405,16 +441,17 @@ def _report(metrics, whole: tuple[dict, dict] | None, history, step, plan: Plan,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _restore(model, sync, run_dir: Path | None) -> tuple[int, list]:
-    """Load the run's newest checkpoint (``restore_dir``; ``run_dir`` None: storage behind a URI, Ray Train's
-    own); return (first step to run, loss history)."""
+def _latest_checkpoint(run_dir: Path | None) -> tuple[dict, dict, dict] | None:
+    """The run's newest checkpoint (``restore_dir``; ``run_dir`` None: storage behind a URI, Ray Train's own) as
+    (whole model state, whole optimizer state, loop state), or None."""
     checkpoint = ray.train.get_checkpoint()
     with checkpoint.as_directory() if checkpoint else nullcontext() as latest:
         found = restore_dir(latest, run_dir)
         if found is None:
-            return 0, []
+            return None
         d = found[0]
-        model.load_state_dict(torch.load(d / MODEL_FILE, map_location="cpu"))
-        sync.load_state_dict(torch.load(d / OPTIMIZER_FILE, map_location="cpu"))
-        state = json.loads((d / STATE_FILE).read_text())
-    return state["step"] + 1, [tuple(x) for x in state["history"]]
+        return (
+            torch.load(d / MODEL_FILE, map_location="cpu"),
+            torch.load(d / OPTIMIZER_FILE, map_location="cpu"),
+            json.loads((d / STATE_FILE).read_text()),
+        )

@@ -6,6 +6,10 @@ schedule runs the pipeline's micro-batches. Gradients are summed per layer over
 the pipelines that hold it (one ``Bucket`` per distinct set of holders), so
 pipelines may cut the model differently. Checkpoints hold the whole model and
 the optimizer in the data-parallel format, so a run resumes on any plan.
+
+A tensor-parallel stage is a group of workers splitting its GPT blocks (``workloads/tensor_parallel.py``); every
+stage of its pipeline has the same degree d, and the pipeline runs as d sub-pipelines, member k of each stage
+sending to member k of the next (torchtitan's 2-D layout). The members of a stage run the same samples.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from hetero_ray.plan.plan import WorkerRole
 from hetero_ray.train.buckets import Bucket
 from hetero_ray.train.data import collate
 from hetero_ray.train.precision import autocast
+from hetero_ray.train.sync import PER_ELEMENT
 from hetero_ray.workloads import Workload
+from hetero_ray.workloads.gpt import Block
+from hetero_ray.workloads.tensor_parallel import AllReduceHook, TensorParallelBlock, assemble
 
 
 def _layer_range(role: WorkerRole | None, n_layers: int) -> range:
@@ -34,21 +41,83 @@ def _layer_range(role: WorkerRole | None, n_layers: int) -> range:
     return range(first, last)
 
 
+def _split(role: WorkerRole) -> tuple[float, ...] | None:
+    """The role's tensor-parallel weights; None for a stage of one worker (no weights, or one)."""
+    return role.tp_weights if role.tp_degree > 1 else None
+
+
+def tensor_members(roles: Sequence[WorkerRole | None]) -> dict[tuple[int, int], list[int]]:
+    """The ranks of each (pipeline, stage), in ``tp_rank`` order (one rank for a stage without tensor
+    parallelism). A ValueError in one line when a stage's members disagree on ``tp_weights`` or do not hold
+    each ``tp_rank`` once, or a pipeline's stages differ in degree (member k talks only to member k of the
+    next stage)."""
+    by_stage: dict[tuple[int, int], list[int]] = {}
+    for r, role in enumerate(roles):
+        if role is not None:
+            by_stage.setdefault((role.pipeline, role.stage), []).append(r)
+    members, degrees = {}, {}
+    for (pipeline, stage), ranks in sorted(by_stage.items()):
+        splits = {_split(roles[r]) for r in ranks}
+        if len(splits) > 1:
+            raise ValueError(
+                f"pipeline {pipeline} stage {stage}: its workers disagree on tp_weights ({sorted(splits, key=str)}); "
+                "give every member of a tensor-parallel stage the same tp_weights"
+            )
+        degree = roles[ranks[0]].tp_degree
+        if sorted(roles[r].tp_rank for r in ranks) != list(range(degree)):
+            raise ValueError(
+                f"pipeline {pipeline} stage {stage}: {len(ranks)} workers with tp_ranks "
+                f"{sorted(roles[r].tp_rank for r in ranks)} for tensor-parallel degree {degree}; "
+                f"give each tp_rank 0..{degree - 1} to one worker"
+            )
+        if degrees.setdefault(pipeline, degree) != degree:
+            raise ValueError(
+                f"pipeline {pipeline}: stage {stage} has tensor-parallel degree {degree}, an earlier stage "
+                f"{degrees[pipeline]}; every stage of a pipeline needs the same degree (member k of a stage talks "
+                "only to member k of the next)"
+            )
+        members[(pipeline, stage)] = sorted(ranks, key=lambda r: roles[r].tp_rank)
+    return members
+
+
 def layer_holders(roles: Sequence[WorkerRole | None], n_layers: int) -> list[tuple[int, ...]]:
-    """For each layer, the ranks that hold it (one per pipeline), ascending."""
+    """For each layer, the ranks that hold it or a part of it (one per pipeline, or a stage's tensor-parallel
+    members), ascending."""
     return [
         tuple(r for r, role in enumerate(roles) if layer in _layer_range(role, n_layers)) for layer in range(n_layers)
     ]
 
 
+def part_holders(roles: Sequence[WorkerRole | None], n_layers: int) -> list[list[tuple[int, ...]]]:
+    """For each layer, the sets of ranks holding the same part of it, whose gradients of that part are summed:
+    one set per ``tp_rank`` (member k of each pipeline's stage holding it holds the same shard, or the same
+    whole layer). A ValueError in one line when the pipelines holding a layer split its stage differently:
+    their parts would differ in shape."""
+    tensor_members(roles)  # the stages' tensor-parallel layout is valid
+    parts = []
+    for layer, holders in enumerate(layer_holders(roles, n_layers)):
+        splits = {_split(roles[r]) for r in holders}
+        if len(splits) > 1:
+            raise ValueError(
+                f"layer {layer}: the pipelines holding it split its stage differently (tp_weights "
+                f"{sorted(splits, key=str)}), so their parts of it differ; give every pipeline's stage holding it "
+                "the same tp_weights"
+            )
+        degree = max((roles[r].tp_degree for r in holders), default=1)
+        parts.append([tuple(r for r in holders if roles[r].tp_rank == k) for k in range(degree)])
+    return parts
+
+
 def gradient_buckets(layers: Sequence[nn.Module], roles: Sequence[WorkerRole | None], rank: int) -> list[Bucket]:
-    """This rank's gradient buckets: its layers grouped by the set of ranks that also hold them.
+    """This rank's gradient buckets: its layers grouped by the set of ranks that hold the same part of them
+    (``part_holders``). ``layers`` as the stages run them: tensor-parallel shards already cut (``Stage``).
 
     Every rank creates every group, in the same order, as ``dist.new_group`` requires.
     """
     by_holders: dict[tuple[int, ...], list[int]] = {}
-    for layer, holders in enumerate(layer_holders(roles, len(layers))):
-        by_holders.setdefault(holders, []).append(layer)
+    for layer, parts in enumerate(part_holders(roles, len(layers))):
+        for holders in parts:
+            by_holders.setdefault(holders, []).append(layer)
     buckets = []
     for holders in sorted(by_holders):
         group = dist.new_group(list(holders)) if len(holders) > 1 else None
@@ -59,17 +128,36 @@ def gradient_buckets(layers: Sequence[nn.Module], roles: Sequence[WorkerRole | N
     return buckets
 
 
+def sub_pipelines(roles: Sequence[WorkerRole | None]) -> dict[tuple[int, int], list[int]]:
+    """The ranks of each (pipeline, tp_rank) in stage order: member k of every stage of a pipeline."""
+    members = tensor_members(roles)
+    return {
+        (pipeline, k): [ranks[k] for (p, _), ranks in sorted(members.items()) if p == pipeline]
+        for pipeline, k in sorted({(p, k) for (p, _), ranks in members.items() for k in range(len(ranks))})
+    }
+
+
 def pipeline_group(roles: Sequence[WorkerRole | None], rank: int) -> tuple[dist.ProcessGroup | None, list[int]]:
-    """The process group of this rank's pipeline and its ranks in stage order (every rank creates every group)."""
+    """The process group of this rank's (sub-)pipeline and its ranks in stage order (every rank creates every
+    group). A one-stage tensor-parallel replica gets a group of its one rank: its ``PipelineStage`` runs on it."""
     mine: tuple[dist.ProcessGroup | None, list[int]] = (None, [])
-    for pipeline in sorted({r.pipeline for r in roles if r is not None}):
-        stages = sorted(
-            (role.stage, r) for r, role in enumerate(roles) if role is not None and role.pipeline == pipeline
-        )
-        ranks = [r for _, r in stages]
-        group = dist.new_group(ranks) if len(ranks) > 1 else None
+    for ranks in sub_pipelines(roles).values():
+        tensor_parallel = roles[ranks[0]].tp_degree > 1
+        group = dist.new_group(ranks) if len(ranks) > 1 or tensor_parallel else None
         if rank in ranks:
             mine = (group, ranks)
+    return mine
+
+
+def tensor_group(roles: Sequence[WorkerRole | None], rank: int) -> dist.ProcessGroup | None:
+    """The process group of this rank's tensor-parallel stage; None without tensor parallelism (every rank
+    creates every group)."""
+    mine = None
+    for ranks in tensor_members(roles).values():
+        if len(ranks) > 1:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
     return mine
 
 
@@ -92,8 +180,32 @@ def sequence(layers: Sequence[nn.Module], *, checkpointing: bool) -> nn.Sequenti
     return nn.Sequential(*(_Checkpointed(layer) if checkpointing else layer for layer in layers))
 
 
+def _cut_shards(
+    model: nn.Module,
+    layers: list[nn.Module],
+    held: range,
+    role: WorkerRole,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    hook: AllReduceHook | None,
+) -> None:
+    """Replace each GPT ``Block`` among ``layers[held]`` by this rank's ``TensorParallelBlock`` over ``group``, in
+    ``layers`` and in ``model``: its parameters become the model's, which the synchroniser indexes."""
+    names = {id(m): name for name, m in model.named_modules()}
+    for i in held:
+        if isinstance(layers[i], Block):
+            shard = TensorParallelBlock(layers[i], group, role.tp_rank, role.tp_weights, hook=hook).to(device)
+            model.set_submodule(names[id(layers[i])], shard)
+            layers[i] = shard
+
+
 class Stage:
-    """This worker's pipeline stage: its layers, the schedule, and one step over its pipeline's micro-batches."""
+    """This worker's pipeline stage: its layers, the schedule, and one step over its pipeline's micro-batches.
+
+    A tensor-parallel role's stage cuts its shards of the GPT blocks into ``workload.model`` (``tp_group``:
+    ``tensor_group``'s), so it must be made before the gradient buckets and the synchroniser, which must see
+    the shards' parameters.
+    """
 
     def __init__(
         self,
@@ -107,10 +219,15 @@ class Stage:
         schedule: str = "gpipe",
         link: tuple[float, float] | None = None,
         precision: str = "fp32",
+        tp_group: dist.ProcessGroup | None = None,
     ):
         layered = workload.layered
         layers = list(layered.layers(workload.model))
-        first, last = role.layers
+        first, last = role.layers or (0, len(layers))
+        if role.tp_degree > 1:
+            # An emulated member holds its all-reduces to the named link, as the planner prices them.
+            hook = emu.all_reduce_hook(link, role.tp_degree) if emu and link else None
+            _cut_shards(workload.model, layers, range(first, last), role, tp_group, device, hook)
         self.role, self.workload, self.device, self.emu, self.precision = role, workload, device, emu, precision
         self.is_first, self.is_last = first == 0, last == len(layers)
         self.module = nn.Sequential(*layers[first:last])
@@ -153,7 +270,8 @@ class Stage:
         sync.arm(self.n_micro)
         with memory_cap or nullcontext(), autocast(self.precision, self.device):
             self.schedule.step(*args, **kwargs)
-        loss_sum = sum(float(x.detach()) for x in losses) * self.global_batch
+        # The members of a tensor-parallel stage run the same samples: one of them counts their loss.
+        loss_sum = sum(float(x.detach()) for x in losses) * self.global_batch if self.role.tp_rank == 0 else 0.0
         return loss_sum, self.padded.busy_s if self.padded else 0.0
 
 
@@ -169,10 +287,71 @@ class _Float32Output(nn.Module):
         return out.float() if out.is_floating_point() else out
 
 
+def _whole_names(model: nn.Module) -> tuple[dict[int, str], list[str]]:
+    """Each parameter's name in the unsplit model, by id (a tensor-parallel shard's: the name of the whole
+    tensor it is cut from), and the unsplit model's parameter names in its ``parameters()`` order, by whose
+    positions optimizer states are keyed."""
+    cut_from: dict[int, tuple[str, tuple[str, ...]]] = {}  # a shard's parameter → (whole name, its block's)
+    for prefix, m in model.named_modules():
+        if isinstance(m, TensorParallelBlock):
+            block = tuple(f"{prefix}.{k}" for k in m.by_full_name())
+            cut_from |= {id(t): (f"{prefix}.{k}", block) for k, t in m.by_full_name().items()}
+    names: dict[int, str] = {}
+    order: list[str] = []
+    seen: set[tuple[str, ...]] = set()
+    for name, t in model.named_parameters():
+        whole, block = cut_from.get(id(t), (name, (name,)))
+        names[id(t)] = whole
+        # A shard registers its parameters in another order than the whole block: at the first of them, the
+        # whole block's names, in its order.
+        if block not in seen:
+            seen.add(block)
+            order += block
+    return names, order
+
+
+def _assemble_states(shards: Sequence[dict[str, dict]]) -> dict[str, dict]:
+    """A tensor-parallel block's optimizer state in the unsplit layout, from its members' states (by whole-block
+    tensor name, in ``tp_rank`` order): per-element moments assembled as the weights are, counters from the
+    first member (all step together). Empty before the first step."""
+    if not shards[0]:
+        return {}
+    moments = [m for m in PER_ELEMENT if m in next(iter(shards[0].values()))]
+    whole = {m: assemble([{k: state[m] for k, state in shard.items()} for shard in shards]) for m in moments}
+    return {k: state | {m: whole[m][k] for m in moments} for k, state in shards[0].items()}
+
+
+def local_optimizer_state(model: nn.Module, whole: dict) -> dict:
+    """A checkpoint's whole optimizer state in this rank's layout (``gather_whole_state``'s inverse): keyed by
+    position in ``model.parameters()``, a tensor-parallel shard's moments cut as its weights are. Without
+    shards, ``whole`` itself."""
+    shards = {
+        id(t): (m, k)
+        for m in model.modules()
+        if isinstance(m, TensorParallelBlock)
+        for k, t in m.by_full_name().items()
+    }
+    if not shards:
+        return whole
+    names, order = _whole_names(model)
+    position = {name: i for i, name in enumerate(order)}
+    state = {}
+    for i, t in enumerate(model.parameters()):
+        entry = whole["state"].get(position[names[id(t)]])
+        if entry is not None and id(t) in shards:
+            block, key = shards[id(t)]
+            entry = {k: block.cut({key: v})[key] if k in PER_ELEMENT else v for k, v in entry.items()}
+        if entry is not None:
+            state[i] = entry
+    group = whole["param_groups"][0]
+    return {"state": state, "param_groups": [{**group, "params": list(range(len(order)))}]}
+
+
 def gather_whole_state(
     model: nn.Module, layers: Sequence[nn.Module], sync, roles: Sequence[WorkerRole | None], rank: int
 ) -> tuple[dict, dict] | None:
-    """On rank 0, the whole model's and optimizer's state, assembled from pipeline 0's stages (None elsewhere).
+    """On rank 0, the whole model's and optimizer's state in the unsplit layout, assembled from pipeline 0's
+    stages and their tensor-parallel members' shards (None elsewhere). ``layers`` as the stages run them.
 
     Every rank must call it: it is one ``gather_object``.
     """
@@ -184,20 +363,45 @@ def gather_whole_state(
         keys: dict[int, list[str]] = {}
         for k, t in model.state_dict(keep_vars=True).items():
             keys.setdefault(id(t), []).append(k)
+        names, _ = _whole_names(model)
+        modules = {id(m): name for name, m in model.named_modules()}
+        params = list(model.parameters())
+        optimizer = sync.state_dict()
+        state = {id(params[i]): s for i, s in optimizer["state"].items()}
+        tensors, states, shards = {}, {}, {}
         # Pipeline 0 may be one whole-model replica beside staged pipelines.
         first, last = role.layers or (0, len(layers))
-        mine = [t for layer in layers[first:last] for t in layer.state_dict(keep_vars=True).values()]
-        part = ({k: t.detach() for t in mine for k in keys[id(t)]}, sync.state_dict())
+        for layer in layers[first:last]:
+            if isinstance(layer, TensorParallelBlock):
+                mine = {k: state[id(t)] for k, t in layer.by_full_name().items() if id(t) in state}
+                shards[modules[id(layer)]] = (role.tp_rank, layer.local_state(), mine)
+            else:
+                tensors |= {k: t.detach() for t in layer.state_dict(keep_vars=True).values() for k in keys[id(t)]}
+                states |= {names[id(t)]: state[id(t)] for t in layer.parameters() if id(t) in state}
+        group = optimizer["param_groups"][0]
+        held = {names[id(params[i])] for i in group["params"]}
+        part = (tensors, states, shards, held, {k: v for k, v in group.items() if k != "params"})
     parts: list = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(part, parts, dst=0)
     if rank != 0:
         return None
     model_state: dict = {}
-    optimizer_state: dict = {"state": {}, "param_groups": []}
-    for piece in filter(None, parts):
-        model_state |= piece[0]
-        optimizer_state["state"] |= piece[1]["state"]
-        group = piece[1]["param_groups"][0]
-        known = optimizer_state["param_groups"][0]["params"] if optimizer_state["param_groups"] else []
-        optimizer_state["param_groups"] = [{**group, "params": sorted(known + group["params"])}]
+    states, held, hyper, members = {}, set(), {}, {}
+    for tensors, named_states, shards, names_held, group in filter(None, parts):
+        model_state |= tensors
+        states |= named_states
+        held |= names_held
+        hyper = group
+        for prefix, shard in shards.items():
+            members.setdefault(prefix, []).append(shard)
+    for prefix, shard_list in members.items():
+        ordered = sorted(shard_list, key=lambda shard: shard[0])
+        model_state |= {f"{prefix}.{k}": t for k, t in assemble([s[1] for s in ordered]).items()}
+        states |= {f"{prefix}.{k}": s for k, s in _assemble_states([s[2] for s in ordered]).items()}
+    _, order = _whole_names(model)
+    position = {name: i for i, name in enumerate(order)}
+    optimizer_state = {
+        "state": dict(sorted((position[n], s) for n, s in states.items())),
+        "param_groups": [{**hyper, "params": sorted(position[n] for n in held)}],
+    }
     return model_state, optimizer_state

@@ -151,6 +151,7 @@ def plan_for(
             emulated=emulated,
             seconds_per_sample=profiled_speeds(cfg, catalog),
             reduce_dtype=cfg.train.reduce_dtype,
+            tensor_parallel=search.powers_of_two(cfg.train.max_tensor_parallel),
             top_k=1,
             **({"max_stages": 1} if data_parallel_only(cfg, footprint) else {}),
         )

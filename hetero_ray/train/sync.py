@@ -21,6 +21,7 @@ from hetero_ray.plan.cost import onebit_allreduce_bytes, ring_allreduce_bytes
 from hetero_ray.train.buckets import WIRE_DTYPES, Bucket, EmulatedLink, GradBuckets, Launch
 from hetero_ray.train.precision import loss_scaler
 from hetero_ray.train.zero import ShardedParameters, Shards
+from hetero_ray.workloads.tensor_parallel import TensorParallelBlock
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class TorchAdam:
         buckets: list[Bucket] | None = None,
         link: EmulatedLink | None = None,
         shard_weights: Sequence[float] | None = None,
+        tp_degree: int = 1,
     ):
         buckets = buckets if buckets is not None else [Bucket(None, dist.get_world_size(), list(model.parameters()))]
         self.params = [p for b in buckets for p in b.params]
@@ -90,6 +92,12 @@ class TorchAdam:
             weight_decay=cfg.train.weight_decay,
         )
         self.clip = cfg.train.grad_clip
+        # The members of a tensor-parallel stage each hold its whole tensors: each adds 1/degree of their squared
+        # norm, and its shards' in full. None: every tensor counts once.
+        split = {p for m in model.modules() if isinstance(m, TensorParallelBlock) for p in m.split_parameters()}
+        self.norm_weight = (
+            {p: 1.0 if p in split else 1.0 / tp_degree for p in self.params} if self.clip and tp_degree > 1 else None
+        )
         self.scaler = loss_scaler(precision, device) if precision else None
         # The scaler unscales every local gradient before the sum, not only the slices this rank's optimizer holds.
         self._unscaled = torch.optim.SGD(self.params, lr=0.0) if self.scaler and self.sharded else self.optimizer
@@ -117,7 +125,7 @@ class TorchAdam:
         finite, launches = self.grads.finish()
         world = dist.get_world_size()
         # Each bucket's ranks hold the same summed gradient: each adds its 1/size part of the squared norm.
-        squares = sum(float(c.flat.double().square().sum()) / c.size for c in self.grads.chunks) if self.clip else 0.0
+        squares = sum(self._squares(c) / c.size for c in self.grads.chunks) if self.clip else 0.0
         votes = torch.tensor([loss_sum, float(stop), float(not finite), squares], device=self.device)
         voted = time.perf_counter()
         dist.all_reduce(votes)
@@ -145,6 +153,12 @@ class TorchAdam:
             compressed=False,
             launches=tuple(launches),
         )
+
+    def _squares(self, chunk) -> float:
+        """This rank's part of the squared norm of a chunk's summed gradient."""
+        if self.norm_weight is None:
+            return float(chunk.flat.double().square().sum())
+        return sum(float(v.double().square().sum()) * self.norm_weight[p] for p, v in chunk.views.items())
 
     def _share_updates(self) -> float:
         """Every owner's updated parameters to every rank, held to the link as an all-gather; bytes this rank sent
@@ -463,10 +477,12 @@ def make_sync(
     buckets: list[Bucket] | None = None,
     link: EmulatedLink | None = None,
     shard_weights: Sequence[float] | None = None,
+    tp_degree: int = 1,
 ):
     """The synchroniser the config asks for; ``buckets`` when this rank holds part of the model; ``link``: the
-    emulated link its messages are held to; ``shard_weights``: each rank's share of ZeRO's shards."""
+    emulated link its messages are held to; ``shard_weights``: each rank's share of ZeRO's shards;
+    ``tp_degree``: the members of this rank's tensor-parallel stage."""
     if cfg.optimizer.name == "adam":
-        return TorchAdam(model, cfg, device, precision, buckets, link, shard_weights)
+        return TorchAdam(model, cfg, device, precision, buckets, link, shard_weights, tp_degree)
     bucket = onebit_bucket(buckets, cfg.optimizer.name) if buckets is not None else None
     return DeepSpeedOnebit(model, cfg, device, bucket, link)
