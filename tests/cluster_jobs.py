@@ -85,11 +85,15 @@ def submit_command(cluster: EmulatedCluster, command: list[str], env: dict[str, 
     return job_id
 
 
-def submit(cluster: EmulatedCluster, tmp: Path, cfg: dict, env: dict[str, str] | None = None) -> tuple[str, Path]:
-    """`ray job submit --no-wait` of jobs/train.py with ``cfg``; returns (submission id, result path)."""
+def submit(
+    cluster: EmulatedCluster, tmp: Path, cfg: dict, env: dict[str, str] | None = None, plan: Path | None = None
+) -> tuple[str, Path]:
+    """`ray job submit --no-wait` of jobs/train.py with ``cfg`` (and ``plan``: ``--plan``); returns (submission
+    id, result path)."""
     cfg_path, out_path = tmp / f"{cfg['run']['name']}.yaml", tmp / f"{cfg['run']['name']}-{uuid.uuid4().hex[:6]}.json"
     cfg_path.write_text(yaml.safe_dump(cfg))
     command = [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(cfg_path), "--output", str(out_path)]
+    command += ["--plan", str(plan)] if plan else []
     return submit_command(cluster, command, env), out_path
 
 

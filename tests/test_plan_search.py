@@ -180,7 +180,15 @@ def test_tensor_parallel_member_holds_its_shard_and_pays_its_all_reduces(catalog
     link = (50e9, 5e-6)
     one = type_table(V100, catalog, fp.layers, precision="fp32", efficiency=0.4, seconds_per_sample=None)
     two = type_table(
-        V100, catalog, fp.layers, precision="fp32", efficiency=0.4, seconds_per_sample=None, tp_degree=2, tp_link=link
+        V100,
+        catalog,
+        fp.layers,
+        precision="fp32",
+        efficiency=0.4,
+        seconds_per_sample=None,
+        tp_degree=2,
+        tp_link=link,
+        dp_share=8,
     )
     split = fp.layers[0]
     assert two.params[1] == split.params - split.tp_params / 2
@@ -189,6 +197,9 @@ def test_tensor_parallel_member_holds_its_shard_and_pays_its_all_reduces(catalog
     # Ring of 2: each all-reduce sends the payload once and takes 2 latencies.
     assert two.tp_per_sample[1] == pytest.approx(4 * 4e6 / 50e9)
     assert two.tp_per_micro[1] == pytest.approx(4 * 2 * 5e-6)
+    # A data-parallel member, priced per sample: its share of 8 samples is one micro-batch, whose latencies
+    # the 8 share.
+    assert two.tp_per_share[1] == pytest.approx(4 * 4e6 / 50e9 + 4 * 2 * 5e-6 / 8)
 
 
 def with_blocks(fp: Footprint) -> Footprint:

@@ -36,11 +36,12 @@ from cluster_jobs import (
 
 from hetero_ray.config import parse_config
 from hetero_ray.monitor.metrics import DEFINITIONS, prometheus_name
+from hetero_ray.plan import search
 from hetero_ray.plan.cost import ring_allreduce_bytes
 from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.plan.plan import Infeasible, Plan
 from hetero_ray.train.onebit import fused_allreduce_bytes
-from hetero_ray.train.prepare import prepare
+from hetero_ray.train.prepare import prepare, topology_for
 
 TINY_MEMORY = REPO / "tests" / "data" / "tiny-memory-gpus.yaml"
 SMALL_MEMORY = REPO / "tests" / "data" / "small-memory-gpus.yaml"
@@ -119,6 +120,49 @@ def test_memory_caps_force_a_pipeline_that_trains_like_one_process(cluster, tmp_
     assert plan.is_pipelined and plan.num_pipelines < len(plan.roles)
     assert all(r.predicted_memory_bytes <= r.memory_cap_bytes for r in plan.roles)
     assert max_abs_diff(final_params(result), single_process_reference()) <= 1e-5
+
+
+def test_a_tensor_parallel_plan_trains_like_one_process_and_resumes_on_another(cluster, tmp_path):
+    """The planner's best plan of degree 2 (every GPT block's heads and MLP columns split over an A100 pair
+    and a V100 pair), submitted with --plan and stopped half-way, then resumed on the config's own
+    data-parallel plan: the run ends where one process on the full batch ends (clipping and the schedule
+    included), its checkpoints holding the whole model."""
+    cfg = run_config(tmp_path / "runs", "tensor-parallel")
+    parsed = parse_config(cfg)
+    prepared = prepare(parsed)
+    types = ["A100-80GB"] * 2 + ["V100-16GB"] * 2
+    plan = search.plan(
+        types,
+        prepared.catalog,
+        prepared.footprint,
+        global_batch=12,
+        topology=topology_for(parsed, prepared.catalog, types),
+        precision="fp32",
+        emulated=True,
+        tensor_parallel=(2,),
+        top_k=1,
+    )[0]
+    assert plan.tensor_parallel == 2 and len(plan.roles) == 4
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps({**plan.to_dict(), "workload": cfg["workload"]}))
+    job_id, _ = submit(cluster, tmp_path, cfg, plan=plan_file)
+    snapshot = tmp_path / "runs" / "tensor-parallel" / "checkpoint_manager_snapshot.json"
+    deadline = time.monotonic() + 240
+    while not snapshot.exists() and time.monotonic() < deadline:
+        assert job_status(cluster, job_id) in ("PENDING", "RUNNING"), ray_cli(cluster, "job", "logs", job_id)[-3000:]
+        time.sleep(0.5)
+    ray_cli(cluster, "job", "stop", job_id)
+    assert wait_for(cluster, job_id) == "STOPPED", "the run finished before it could be stopped"
+    # The checkpoints the stopped run left were written under the tensor-parallel plan, in the whole layout.
+    states = list((tmp_path / "runs" / "tensor-parallel").rglob("state.json"))
+    assert states and all(Plan.from_dict(json.loads(p.read_text())["plan"]).tensor_parallel == 2 for p in states)
+
+    job_id, out = submit(cluster, tmp_path, cfg)
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    resumed = json.loads(out.read_text())
+    assert resumed["metrics"]["resumed_from_step"] > 0
+    assert Plan.from_dict(resumed["metrics"]["plan"]).tensor_parallel == 1
+    assert max_abs_diff(final_params(resumed), single_process_reference()) <= 1e-5
 
 
 def test_batch_norm_under_an_uneven_split_trains_like_one_process(cluster, tmp_path):

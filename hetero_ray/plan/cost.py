@@ -134,15 +134,24 @@ TP_ALLREDUCES_CHECKPOINTED = 6
 
 
 def tp_allreduce_seconds(
-    bytes_per_sample: float, micro_batch: int, degree: int, link: tuple[float, float], *, checkpointing: bool = False
+    bytes_per_sample: float,
+    samples: float,
+    degree: int,
+    link: tuple[float, float],
+    *,
+    checkpointing: bool = False,
+    batches: float = 1.0,
 ) -> float:
-    """A tensor-parallel block's all-reduces in one micro-batch's forward and backward: each a ring over the
-    ``degree`` members of ``bytes_per_sample`` × ``micro_batch`` (the block's output) on ``link``."""
+    """A tensor-parallel block's all-reduces over the forward and backward of ``samples`` samples in ``batches``
+    micro-batches: each a ring over the ``degree`` members of the block's output (``bytes_per_sample`` a
+    sample) on ``link``, its latencies paid once per micro-batch. A data-parallel worker is priced per sample,
+    as one sample of a micro-batch holding its whole share: ``samples`` 1, ``batches`` 1 / share."""
     if degree == 1:
         return 0.0
     count = TP_ALLREDUCES_CHECKPOINTED if checkpointing else TP_ALLREDUCES
-    payload = bytes_per_sample * micro_batch
-    return count * link_seconds(ring_allreduce_bytes(payload, degree), 2 * (degree - 1), *link)
+    bandwidth, latency = link
+    sent = ring_allreduce_bytes(bytes_per_sample * samples, degree)
+    return count * (sent / bandwidth + batches * 2 * (degree - 1) * latency)
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:

@@ -87,6 +87,8 @@ def kind_options(
                                 space.tp_degree,
                                 space.topology.intra(t),
                                 checkpointing=ckpt,
+                                # One stage: priced per sample, its share one micro-batch.
+                                batches=1.0 if S > 1 else 1 / space.dp_share,
                             )
                             for c in span
                             if c.splittable

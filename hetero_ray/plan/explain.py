@@ -30,6 +30,9 @@ def _role(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int
     if split.stages == 1:
         local_batch = units
         micro = math.ceil(local_batch / math.ceil(local_batch / min(g.dp_micro_cap, local_batch)))
+        if space.tp_degree > 1:
+            # A tensor-parallel replica runs as a one-stage pipeline, whose micro-batches are all one size.
+            micro = max(m for m in range(1, micro + 1) if local_batch % m == 0)
         flight, layers, busy = 1, None, units * split.compute_seconds[0]
     else:
         local_batch, micro = units * split.micro, split.micro

@@ -263,6 +263,11 @@ class Space:
     tensors: int
     wire_bytes: float  # bytes per gradient element on the wire (``train.reduce_dtype``)
 
+    @property
+    def dp_share(self) -> float:
+        """Samples a data-parallel worker (a group at ``tp_degree`` > 1) gets at an even split of the batch."""
+        return self.global_batch / sum(self.counts.values())
+
     def stage_options(self, gpu_type: str, available: int) -> list[int]:
         """Stage counts a single-type pipeline of ``gpu_type`` may have with ``available`` devices (0: unused)."""
         return [0] + [s for s in powers_of_two(min(self.max_stages, self.layers)) if s <= available]
@@ -550,6 +555,7 @@ def build_space(
             seconds_per_sample=seconds_per_sample,
             tp_degree=tp_degree,
             tp_link=topology.intra(t),
+            dp_share=global_batch / sum(counts.values()),  # Space.dp_share
         )
         for t in counts
     }

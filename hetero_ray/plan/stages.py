@@ -96,6 +96,8 @@ class TypeTable:
     tp_degree: int
     tp_per_sample: np.ndarray
     tp_per_micro: np.ndarray
+    # A one-stage (data-parallel) member, per sample: its whole share one micro-batch (``tp_allreduce_seconds``).
+    tp_per_share: np.ndarray
     act: np.ndarray
     inputs: np.ndarray  # input bytes of each layer (the previous layer's output), prefix sums
     params: np.ndarray
@@ -113,6 +115,7 @@ def type_table(
     seconds_per_sample: SecondsPerSample | None,
     tp_degree: int = 1,
     tp_link: Link | None = None,
+    dp_share: float = 1.0,
 ) -> TypeTable:
     """Per-layer costs of ``layers`` on ``gpu_type``, as prefix sums: one device's, or one member's of a
     tensor-parallel group of ``tp_degree`` devices of the type, whose all-reduces cross ``tp_link``."""
@@ -122,13 +125,14 @@ def type_table(
     scale = activation_scale(prec)
     tp_per_sample = np.zeros(len(layers))
     tp_per_micro = np.zeros(len(layers))
+    tp_per_share = np.zeros(len(layers))
     if tp_degree > 1:
         for k, c in enumerate(layers):
             if c.splittable:  # seconds(m) = a·m + b: bandwidth per sample, latency per micro-batch
-                tp_per_sample[k] = tp_allreduce_seconds(
-                    c.output_bytes_per_sample * scale, 1, tp_degree, (tp_link[0], 0)
-                )
-                tp_per_micro[k] = tp_allreduce_seconds(0.0, 1, tp_degree, tp_link)
+                out = c.output_bytes_per_sample * scale
+                tp_per_sample[k] = tp_allreduce_seconds(out, 1, tp_degree, tp_link, batches=0.0)
+                tp_per_micro[k] = tp_allreduce_seconds(0.0, 0, tp_degree, tp_link)
+                tp_per_share[k] = tp_allreduce_seconds(out, 1, tp_degree, tp_link, batches=1 / dp_share)
         layers = tuple(c.shard(tp_degree) for c in layers)
     measured, per_sample_at, fixed_s = None, None, 0.0
     if callable(seconds_per_sample):
@@ -159,6 +163,7 @@ def type_table(
         tp_degree=tp_degree,
         tp_per_sample=np.concatenate([[0.0], np.cumsum(tp_per_sample)]),
         tp_per_micro=np.concatenate([[0.0], np.cumsum(tp_per_micro)]),
+        tp_per_share=np.concatenate([[0.0], np.cumsum(tp_per_share)]),
         act=np.concatenate([[0.0], np.cumsum(act)]),
         inputs=np.concatenate([[0.0], np.cumsum(np.concatenate([[0.0], out[:-1]]))]),
         params=np.concatenate([[0.0], np.cumsum([float(c.params) for c in layers])]),
@@ -211,9 +216,12 @@ def stage_work(table: TypeTable, *, micro: int, flight: int, optimizer: str, wor
         spf = max(spf, (table.per_sample_at(micro) or 0.0) / table.model_flops)
         fixed = (1.0 - flops / table.flops[-1]) * table.fixed_s
     compute = flops * spf * micro + fixed
-    tp = (table.tp_per_sample[None, :] - table.tp_per_sample[:, None]) * micro + (
-        table.tp_per_micro[None, :] - table.tp_per_micro[:, None]
-    )
+    if staged:
+        tp = (table.tp_per_sample[None, :] - table.tp_per_sample[:, None]) * micro + (
+            table.tp_per_micro[None, :] - table.tp_per_micro[:, None]
+        )
+    else:
+        tp = table.tp_per_share[None, :] - table.tp_per_share[:, None]
     n = len(table.out)
     idx = np.arange(n + 1)
     valid = idx[None, :] > idx[:, None]

@@ -1,0 +1,202 @@
+"""Tensor parallelism across GPU types: how exact the uneven split is, and what the planner gains from it.
+
+- ``split_max_abs``: a GPT block split 5 : 3 over two gloo ranks and 4 : 3 : 1 over three (real
+  processes, fp32), against the unsplit block: the largest absolute difference of any output, input
+  gradient or parameter gradient (the computation of ``tests/test_tensor_parallel.py``, run here).
+- ``modelled_gain``: the planner's best step without tensor parallelism ÷ with it (degrees 1-8 tried),
+  on a named case where it pays: a GPT whose blocks (1.26 G parameters, 20 GB of weights, gradients
+  and Adam state each) fit no V100-16GB, on 2 × A100-80GB (a p4d node, NVLink) + 8 × V100-16GB (a
+  p3.16xlarge, NVLink). Modelled: catalog speeds at the default efficiency, the block's costs measured
+  on the meta device. Not a measurement of a run.
+- ``predicted_over_measured``: the planner's predicted step ÷ the step measured on throttled devices
+  (``bench/plan_accuracy.py``'s cluster: 2 × A100-80GB + 2 × V100-16GB as CPU slices of 0.40 and 0.22
+  of a core, a named 1 Gbit/s link, profiled first) for its best plan of tensor-parallel degree 2, and
+  beside it for its best plan without. Emulated, throttled: compute takes the time it takes; the
+  members' all-reduces and every other message are held to the named link.
+
+Usage: python bench/tensor_split.py [--steps 16] [--no-measure] [--json-out docs/measurements/tensor-split.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+GPT = {"n_layer": 8, "n_head": 80, "n_embd": 10240, "block_size": 2048}
+DEVICES = {"A100-80GB": 2, "V100-16GB": 8}
+# (GPUs per node, NIC Gbit/s): AWS p4d.24xlarge and p3.16xlarge, as in cluster.yaml.
+NODES = {"A100-80GB": (8, 400.0), "V100-16GB": (8, 25.0)}
+GLOBAL_BATCH = 64
+
+
+def split_max_abs() -> dict:
+    """Run the test's uneven splits on gloo ranks; the worst difference from the unsplit block per split."""
+    sys.path.insert(0, str(TESTS))
+    import torch
+    from ranks import run_ranks
+    from test_tensor_parallel import SPLITS, one_shard, reference
+
+    want = reference()
+    out = {}
+    for name, (weights, mlp_unit, _, _) in SPLITS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            ranks = run_ranks(one_shard, len(weights), Path(tmp), weights, mlp_unit)
+        worst = 0.0
+        for r in ranks:
+            worst = max(worst, float((r["y"] - want["y"]).abs().max()), float((r["dx"] - want["dx"]).abs().max()))
+            worst = max(worst, *(float((r["grads"][k] - g).abs().max()) for k, g in want["grads"].items()))
+            assert all(torch.equal(r["params"][k], p) for k, p in want["params"].items())
+        out[name] = {"weights": weights, "heads": [r["heads"] for r in ranks], "max_abs": worst}
+    return out
+
+
+def modelled_gain() -> dict:
+    """The planner's best plan on the named case, without and with tensor parallelism."""
+    from hetero_ray.cluster.catalog import load_catalog
+    from hetero_ray.perf.footprint import measure_footprint
+    from hetero_ray.plan.search import plan
+    from hetero_ray.plan.topology import NodeKind, Topology
+    from hetero_ray.workloads import build_workload
+
+    catalog = load_catalog()
+    footprint = measure_footprint(lambda: build_workload("gpt", GPT))
+    topology = Topology(
+        nodes={
+            t: NodeKind(
+                gpu_type=t,
+                gpus_per_node=gpus,
+                intra_bandwidth_bytes_s=catalog.get(t).interconnect_gbs * 1e9 / 2,
+                nic_bandwidth_bytes_s=gbps * 1e9 / 8,
+            )
+            for t, (gpus, gbps) in NODES.items()
+        }
+    )
+    ranks = [t for t, n in DEVICES.items() for _ in range(n)]
+    kw = dict(global_batch=GLOBAL_BATCH, topology=topology, top_k=1)
+    without = plan(ranks, catalog, footprint, **kw)[0]
+    best = plan(ranks, catalog, footprint, tensor_parallel=(1, 2, 4, 8), **kw)[0]
+
+    def summary(p) -> dict:
+        return {
+            "step_s": p.predicted_step_s,
+            "tensor_parallel": p.tensor_parallel,
+            "used": {t: sum(r.gpu_type == t for r in p.roles) for t in DEVICES},
+            "unused": {e.gpu_type: e.count for e in p.excluded},
+            "explanation": p.explanation,
+        }
+
+    block = footprint.layers[1]
+    return {
+        "case": "GPT 8 × 10240 (80 heads, 2048 tokens) on 2 × A100-80GB (p4d, NVLink) + 8 × V100-16GB "
+        "(p3.16xlarge, NVLink), global batch 64; one block holds 1.26 G parameters, whose 20 GB of "
+        "weights, gradients and Adam state fit no V100-16GB",
+        "kind": "modelled (catalog speeds, efficiency 0.4; costs measured on the meta device)",
+        "block_params": block.params,
+        "block_split_params": block.tp_params,
+        "without": summary(without),
+        "with": summary(best),
+        "gain": without.predicted_step_s / best.predicted_step_s,
+    }
+
+
+def measured(steps: int) -> dict:
+    """Profile the throttled cluster, then run the planner's best plan at degree 2 and at degree 1 on it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import plan_accuracy as pa  # the throttled cluster, workload, batch and link that bench measures plans on
+    from rich.console import Console
+
+    from hetero_ray.cluster.emulation import EmulatedCluster
+
+    cluster = EmulatedCluster(pa.DEVICES, gpus_per_node=2, cpu_share=pa.CPU_SHARE)
+    # Ray reads its authentication mode once, at import: the token must be set before `import ray`.
+    os.environ.update(cluster.env)
+    import ray
+
+    from hetero_ray.perf.remote import profile_run
+    from hetero_ray.plan.search import plan
+    from hetero_ray.train.prepare import prepare, profiled_speeds, rank_types, topology_for
+    from hetero_ray.train.trainer import run_training
+
+    records = []
+    with cluster, tempfile.TemporaryDirectory() as tmp:
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            cfg = profile_run(pa.config(steps, "throttled"), f"{tmp}/profile.parquet", Console(stderr=True))
+            prepared = prepare(cfg)
+            types = rank_types(cfg)
+            for degree in (2, 1):
+                best = plan(
+                    types,
+                    prepared.catalog,
+                    prepared.footprint,
+                    global_batch=cfg.train.global_batch,
+                    topology=topology_for(cfg, prepared.catalog, types),
+                    precision=cfg.train.precision,
+                    efficiency=prepared.efficiency,
+                    emulated=True,
+                    seconds_per_sample=profiled_speeds(cfg, prepared.catalog),
+                    tensor_parallel=(degree,),
+                    top_k=1,
+                )[0]
+                run = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"{cfg.run.name}-tp{degree}"})})
+                metrics = run_training(run, replace(prepared, plan=best)).metrics
+                records.append(
+                    {
+                        "tensor_parallel": degree,
+                        "shape": pa.describe(replace(best, roles=tuple(r for r in best.roles if r.tp_rank == 0)))
+                        + (f" (each stage {degree} members, tensor parallel)" if degree > 1 else ""),
+                        "predicted_step_s": best.predicted_step_s,
+                        "measured_step_s": metrics["step_s"],
+                        "predicted_over_measured": best.predicted_step_s / metrics["step_s"],
+                        "explanation": best.explanation,
+                        "devices": [pa.device_record(d) for d in metrics["devices"]],
+                        "roles": [pa.role_record(r) | {"tp_rank": r.tp_rank} for r in best.roles],
+                    }
+                )
+        finally:
+            ray.shutdown()
+    return {
+        "kind": "emulated, throttled: CPU slices whose speeds the profile measured; messages held to the link",
+        "cluster": pa.DEVICES,
+        "cpu_share": pa.CPU_SHARE,
+        "workload": pa.THROTTLED_WORKLOAD,
+        "global_batch": pa.THROTTLED_BATCH,
+        "link": pa.LINK,
+        "steps": steps,
+        "plans": records,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=16, help="steps of each measured run (default 16)")
+    parser.add_argument("--no-measure", action="store_true", help="skip the runs on throttled devices")
+    parser.add_argument("--json-out", help="also write the JSON here")
+    args = parser.parse_args()
+    splits = split_max_abs()
+    result = {
+        "split_max_abs": max(s["max_abs"] for s in splits.values()),
+        "splits": splits,
+        "split_kind": "real: gloo ranks on this CPU, fp32",
+        "modelled_gain": modelled_gain(),
+    }
+    if not args.no_measure:
+        runs = measured(args.steps)
+        tp = next(p for p in runs["plans"] if p["tensor_parallel"] == 2)
+        result |= {"predicted_over_measured": tp["predicted_over_measured"], "measured": runs}
+    result["command"] = " ".join(["python bench/tensor_split.py", *sys.argv[1:]])
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(text + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
