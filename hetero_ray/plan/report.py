@@ -131,16 +131,18 @@ def search(
 
 
 def describe(p: Plan) -> str:
-    """A plan's shape in a few words: pipelines by their stage types."""
+    """A plan's shape in a few words: pipelines by their stage types, and the tensor-parallel degree."""
     shapes: dict[tuple[str, ...], int] = {}
-    for pipe in sorted({r.pipeline for r in p.roles}):
-        stages = tuple(r.gpu_type for r in sorted((r for r in p.roles if r.pipeline == pipe), key=lambda r: r.stage))
+    firsts = [r for r in p.roles if r.tp_rank == 0]  # a tensor-parallel stage by its first member
+    for pipe in sorted({r.pipeline for r in firsts}):
+        stages = tuple(r.gpu_type for r in sorted((r for r in firsts if r.pipeline == pipe), key=lambda r: r.stage))
         shapes[stages] = shapes.get(stages, 0) + 1
     parts = []
     for stages, n in shapes.items():
         runs = [f"{len(list(g))}×{t}" for t, g in itertools.groupby(stages)]
         parts.append(f"{n} × DP {stages[0]}" if len(stages) == 1 else f"{n} × [{' → '.join(runs)}]")
-    return ", ".join(parts)
+    tp = f" (tensor parallel ×{p.tensor_parallel})" if p.tensor_parallel > 1 else ""
+    return ", ".join(parts) + tp
 
 
 def plans_table(plans: list[Plan], title: str) -> Table:
