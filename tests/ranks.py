@@ -1,5 +1,5 @@
 """Run a function on several gloo ranks in spawned processes, as a launcher would (no Ray); the roles such
-ranks play."""
+ranks play, and the one-process run they must reproduce."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hetero_ray.plan.plan import WorkerRole
+from hetero_ray.train.data import GlobalBatches, collate
+from hetero_ray.workloads import build_workload
 
 
 def free_port() -> int:
@@ -58,3 +60,24 @@ def worker_role(local: int, offset: int, *, micro: int | None = None, precision:
         memory_cap_bytes=1,
         **layout,
     )
+
+
+def one_process(
+    options: dict, global_batch: int, steps: int, seed: int, lr: float, clip: float | None = None
+) -> tuple[list[float], dict[str, torch.Tensor], dict]:
+    """The GPT of ``options`` trained in one process on the full global batch every step (AdamW, no weight
+    decay; ``clip``: ``clip_grad_norm_`` to it): (losses, model state, optimizer state)."""
+    torch.manual_seed(seed)
+    workload = build_workload("gpt", options)
+    opt = torch.optim.AdamW(workload.model.parameters(), lr=lr, weight_decay=0.0)
+    batches = GlobalBatches(len(workload.dataset), global_batch, seed)
+    losses = []
+    for step in range(steps):
+        loss = workload.loss_fn(workload.model, collate(workload.dataset, batches.indices(step)))
+        loss.backward()
+        losses.append(loss.item())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(workload.model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return losses, workload.model.state_dict(), opt.state_dict()

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import run_ranks, worker_role
+from ranks import one_process, run_ranks, worker_role
 
 from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.cluster.emulated_device import EmulatedDevice, PaddedModule
@@ -92,25 +92,10 @@ def pipeline_rank(rank: int, world: int, roles: list[WorkerRole], schedule: str)
     return {"losses": losses, "whole": whole}
 
 
-def reference() -> tuple[list[float], dict[str, torch.Tensor], dict]:
-    """One process, full global batch every step."""
-    torch.manual_seed(SEED)
-    workload = build_workload("gpt", OPTIONS)
-    opt = torch.optim.AdamW(workload.model.parameters(), lr=1e-3, weight_decay=0.0)
-    batches = GlobalBatches(len(workload.dataset), GLOBAL_BATCH, SEED)
-    losses = []
-    for step in range(STEPS):
-        loss = workload.loss_fn(workload.model, collate(workload.dataset, batches.indices(step)))
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses, workload.model.state_dict(), opt.state_dict()
-
-
 @pytest.fixture(scope="module")
 def expected():
-    return reference()
+    """One process, full global batch every step."""
+    return one_process(OPTIONS, GLOBAL_BATCH, STEPS, SEED, 1e-3)
 
 
 @pytest.mark.parametrize("name", PLANS)

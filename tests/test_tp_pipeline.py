@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import run_ranks, worker_role
+from ranks import one_process, run_ranks, worker_role
 
 from hetero_ray.config import parse_config
 from hetero_ray.train.data import GlobalBatches, collate
@@ -129,27 +129,10 @@ def tp_rank_main(rank: int, world: int, roles, schedule: str, steps=range(STEPS)
     }
 
 
-def reference(clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor], dict]:
-    """One process, full global batch every step; ``clip``: ``clip_grad_norm_`` to it."""
-    torch.manual_seed(SEED)
-    workload = build_workload("gpt", OPTIONS)
-    opt = torch.optim.AdamW(workload.model.parameters(), lr=LR, weight_decay=0.0)
-    batches = GlobalBatches(len(workload.dataset), GLOBAL_BATCH, SEED)
-    losses = []
-    for step in range(STEPS):
-        loss = workload.loss_fn(workload.model, collate(workload.dataset, batches.indices(step)))
-        loss.backward()
-        losses.append(loss.item())
-        if clip:
-            torch.nn.utils.clip_grad_norm_(workload.model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-    return losses, workload.model.state_dict(), opt.state_dict()
-
-
 @pytest.fixture(scope="module")
 def expected():
-    return reference()
+    """One process, full global batch every step."""
+    return one_process(OPTIONS, GLOBAL_BATCH, STEPS, SEED, LR)
 
 
 @pytest.mark.parametrize("name", PLANS)
@@ -181,7 +164,7 @@ def test_clipping_counts_each_tensor_once_across_the_members(tmp_path) -> None:
     clip = 0.05
     schedule, roles = PLANS["two stages of two"]
     results = run_ranks(tp_rank_main, len(roles), tmp_path, roles, schedule, range(STEPS), None, clip)
-    _, ref_model, _ = reference(clip)
+    _, ref_model, _ = one_process(OPTIONS, GLOBAL_BATCH, STEPS, SEED, LR, clip)
     model, _ = results[0]["whole"]
     for k, t in ref_model.items():
         assert float((model[k] - t).abs().max()) <= 1e-5, k

@@ -149,61 +149,31 @@ def exhaustive_best_step(
 ) -> float:
     """The shortest predicted step over every plan of the space (``inf`` if none fits), every
     tensor-parallel degree of ``tensor_parallel`` tried."""
-    return min(
-        (
-            best_step_at_degree(
-                rank_types,
-                catalog,
-                footprint,
-                global_batch=global_batch,
-                topology=topology,
-                optimizer=optimizer,
-                precision=precision,
-                efficiency=efficiency,
-                schedule=schedule,
-                max_stages=max_stages,
-                micro_batches=micro_batches,
-                tp_degree=d,
-            )
-            for d in tensor_parallel
-        ),
-        default=math.inf,
-    )
+    best = math.inf
+    for tp_degree in tensor_parallel:
+        space = build_space(
+            rank_types,
+            catalog,
+            footprint,
+            global_batch=global_batch,
+            topology=topology,
+            optimizer=optimizer,
+            precision=precision,
+            efficiency=efficiency,
+            schedule=schedule,
+            max_stages=max_stages,
+            micro_batches=micro_batches,
+            seconds_per_sample=None,
+            tp_degree=tp_degree,
+        )
+        if space is not None:
+            best = min(best, best_step_in(space, footprint, catalog, efficiency, precision))
+    return best
 
 
-def best_step_at_degree(
-    rank_types: Sequence[str],
-    catalog: Catalog,
-    footprint: Footprint,
-    *,
-    global_batch: int,
-    topology: Topology,
-    optimizer: str,
-    precision: str,
-    efficiency: float,
-    schedule: str,
-    max_stages: int,
-    micro_batches: Sequence[int],
-    tp_degree: int,
-) -> float:
-    """The shortest predicted step over the plans whose stages are groups of ``tp_degree`` devices."""
-    space = build_space(
-        rank_types,
-        catalog,
-        footprint,
-        global_batch=global_batch,
-        topology=topology,
-        optimizer=optimizer,
-        precision=precision,
-        efficiency=efficiency,
-        schedule=schedule,
-        max_stages=max_stages,
-        micro_batches=micro_batches,
-        seconds_per_sample=None,
-        tp_degree=tp_degree,
-    )
-    if space is None:
-        return math.inf
+def best_step_in(space: Space, footprint: Footprint, catalog: Catalog, efficiency: float, precision: str) -> float:
+    """The shortest predicted step over every plan of one space (one tensor-parallel degree)."""
+    tp_degree = space.tp_degree
     layers = tuple(c.shard(tp_degree) for c in workload_layers(footprint))
     cache: dict[tuple[str, ...], list[KindSplit]] = {}
 
