@@ -124,12 +124,14 @@ def test_jobs_of_each_class_land_on_the_types_their_class_prefers(cluster, tmp_p
         "-c",
         f"import os, time; open('{seen}/' + os.environ['HETERO_RAY_JOB_ID'], 'w').write("
         "os.environ['HETERO_RAY_DEVICES']); t = time.time()\n"
-        f"while os.sys.argv[1] == 'hold' and not os.path.exists('{seen}/release') and time.time() - t < 300: "
+        f"while os.sys.argv[1] == 'hold' and not os.path.exists('{seen}/release-' + os.environ['HETERO_RAY_JOB_ID'])"
+        " and time.time() - t < 300: "
         "time.sleep(0.2)",
     ]
     ledger = f"test-{time.time_ns()}"
     jobs = {}
-    # The first two hold their devices until the status has been read (the test then writes `release`).
+    # The first two hold their devices until the status has been read, then the test releases the fine-tune job
+    # first: the queued one then finds the V100s free, not the A100s, whichever job the load lets end first.
     for name, job_class, hold in (("ft-1", "finetune", "hold"), ("tr-1", "train", "hold"), ("ft-2", "finetune", "go")):
         out = hetero_ray(
             cluster,
@@ -150,7 +152,9 @@ def test_jobs_of_each_class_land_on_the_types_their_class_prefers(cluster, tmp_p
     status = hetero_ray(cluster, "status", "--ledger", ledger, "--json")
     assert status.returncode == 0, status.stderr
     busy = json.loads(status.stdout)
-    (seen / "release").write_text("")
+    for name in ("ft-1", "tr-1"):
+        (seen / f"release-{jobs[name]}").write_text("")
+        assert wait_for(cluster, jobs[name], timeout=120) == "SUCCEEDED", ray_cli(cluster, "job", "logs", jobs[name])
     for job in jobs.values():
         assert wait_for(cluster, job, timeout=120) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job)[-2000:]
     got = {name: json.loads((seen / job).read_text()) for name, job in jobs.items()}
