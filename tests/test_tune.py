@@ -488,24 +488,31 @@ def test_the_precision_rule_takes_the_fastest_within_the_loss_tolerance():
         choose(trials.iloc[1:], choices, loss_tolerance=0.01)
 
 
-def test_precision_sweep_runs_every_combination_and_picks_by_the_rule(cluster, tmp_path):
-    """`hetero-ray tune --search precision` on the live emulated cluster: four trials (A100 fp32/bf16 × V100
-    fp32/fp16), each computing in its precision (the losses differ) and scored on held-out samples; best.yaml
-    holds the rule's pick, recomputed here from trials.csv."""
+def test_precision_sweep_runs_every_combination_picks_by_the_rule_then_sweeps_the_shares(cluster, tmp_path):
+    """`hetero-ray tune --search precision+shares` on the live emulated cluster: four trials (A100 fp32/bf16 ×
+    V100 fp32/fp16), each computing in its precision (the losses differ) and scored on held-out samples, whose
+    best.yaml holds the rule's pick (recomputed here from trials.csv); then a share sweep at that precision,
+    whose best.yaml keeps the pick and adds the shares."""
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config(global_batch=24)))
     out = tmp_path / "out"
-    argv = ["--config", str(tmp_path / "run.yaml"), "--search", "precision", "--steps", "4", "--windows", "1"]
-    run = _tune(cluster, [*argv, "--eval-samples", "24", "--output-dir", str(out)])
+    argv = ["--config", str(tmp_path / "run.yaml"), "--search", "precision+shares", "--steps", "4", "--windows", "1"]
+    run = _tune(cluster, [*argv, "--trials", "2", "--eval-samples", "24", "--output-dir", str(out)])
     stdout, stderr = run.communicate(timeout=600)
     assert run.returncode == 0, stderr[-3000:]
     assert "precision per GPU type" in stdout, stdout
-    trials = pd.read_csv(out / "trials.csv")
+    grid = out / "precision"
+    trials = pd.read_csv(grid / "trials.csv")
     assert len(trials) == 4 and trials["error"].isna().all(), trials.to_dict("records")
     assert (trials["samples_per_s"] > 0).all() and (trials["eval_loss"] > 0).all()
     assert trials["eval_loss"].nunique() == 4, trials.to_dict("records")  # each trial computed in its own precision
     fp32 = trials[(trials["precision:A100-80GB"] == "fp32") & (trials["precision:V100-16GB"] == "fp32")].iloc[0]
     within = trials[trials["eval_loss"] <= fp32["eval_loss"] * 1.01]
     best = within.loc[within["samples_per_s"].idxmax()]
-    picked = load_config(out / "best.yaml").train.precision
-    assert picked == {"A100-80GB": best["precision:A100-80GB"], "V100-16GB": best["precision:V100-16GB"]}
-    assert (out / "precision.png").read_bytes()[:4] == b"\x89PNG"
+    picked = {"A100-80GB": best["precision:A100-80GB"], "V100-16GB": best["precision:V100-16GB"]}
+    assert load_config(grid / "best.yaml").train.precision == picked
+    assert (grid / "precision.png").read_bytes()[:4] == b"\x89PNG"
+    shares = pd.read_csv(out / "trials.csv")
+    assert len(shares) == 2 and (shares["samples_per_s"] > 0).all(), shares.to_dict("records")
+    final = load_config(out / "best.yaml")
+    assert final.train.precision == picked and isinstance(final.train.split, dict)
+    assert final.emulation.autocast  # the shares were measured computing in the picked precisions

@@ -21,8 +21,9 @@ import yaml
 from rich.console import Console
 
 from hetero_ray.cluster.catalog import load_catalog
-from hetero_ray.config import RunConfig
+from hetero_ray.config import RunConfig, parse_config
 from hetero_ray.output import write_atomically
+from hetero_ray.strict_yaml import load_yaml
 from hetero_ray.train.precision import choose_precision
 from tuning.settings import SweepError, SweepSettings
 from tuning.trial import FINAL_METRIC, METRIC, PRECISION_PREFIX
@@ -159,6 +160,16 @@ def write_best_config(base: Mapping[str, Any], choice: Choice, choices: Mapping[
     data = {**base, "train": {**base.get("train", {}), "precision": picked}}
     write_atomically(path, lambda p: p.write_text(yaml.safe_dump(data, sort_keys=False)))
     return data
+
+
+def chosen_config(path: Path) -> tuple[RunConfig, dict[str, Any]]:
+    """The grid's ``best.yaml`` as the config a share sweep starts from, and the YAML its ``best.yaml`` is built
+    on: emulated devices compute in its precisions (``emulation.autocast``), as the grid's trials did, so the
+    shares are measured at the precisions chosen."""
+    data = load_yaml(path.read_text(encoding="utf-8"), str(path))
+    if "emulation" in data:
+        data = {**data, "emulation": {**data["emulation"], "autocast": True}}
+    return parse_config(data, str(path)), data
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SEARCHES = ("shares", "precision")
+SEARCHES = ("shares", "precision", "precision+shares")
 
 
 class SweepError(ValueError):
@@ -31,7 +31,8 @@ class SweepSettings:
     micro_batch_caps: tuple[int, ...] = ()
     history: str | None = None
     output_dir: Path = field(default_factory=lambda: Path("tune-out"))
-    # "shares" searches the split; "precision" runs fp32 against each type's half precision (tuning/precision.py).
+    # "shares" searches the split; "precision" runs fp32 against each type's half precision (tuning/precision.py);
+    # "precision+shares" the precision grid, then the shares at the precision it chose.
     search: str = "shares"
     loss_tolerance: float = 0.01
     eval_samples: int = 256
@@ -70,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--search",
         choices=SEARCHES,
         default=d.search,
-        help="shares: the split per type (default); precision: fp32 against each type's half precision, side by side",
+        help="shares: the split per type (default); precision: fp32 against each type's half precision, side by "
+        "side; precision+shares: that grid, then the shares at the precision it chose",
     )
     p.add_argument(
         "--loss-tolerance",

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -320,9 +320,13 @@ def command(args: argparse.Namespace, console: Console) -> int:
 
     try:
         settings = settings_from(args)
-        by_precision = settings.search == "precision"
-        for name in precision.RESULT_FILES if by_precision else RESULT_FILES:
-            check_output(settings.output_dir / name, force=args.force, option="--output-dir")
+        by_precision, by_shares = "precision" in settings.search, "shares" in settings.search
+        # Both: the precision grid's files in a folder of their own, the shares' where a share sweep puts them.
+        grid = replace(settings, output_dir=settings.output_dir / "precision") if by_shares else settings
+        outputs = [grid.output_dir / n for n in precision.RESULT_FILES] if by_precision else []
+        outputs += [settings.output_dir / n for n in RESULT_FILES] if by_shares else []
+        for path in outputs:
+            check_output(path, force=args.force, option="--output-dir")
         cfg = load_config(args.config)
         base_yaml = load_yaml(Path(args.config).read_text(), args.config)  # load_config read it already
         # Checked before any cluster is reached.
@@ -330,7 +334,7 @@ def command(args: argparse.Namespace, console: Console) -> int:
             precision.precision_choices(cfg)
             if args.resume:
                 raise SweepError("--resume: a precision sweep is a short grid; run it again without --resume")
-        else:
+        if by_shares:
             share_space(cfg, dict.fromkeys(cfg.devices, 1.0), spread=settings.spread)
         resume = resumable(cfg, settings) if args.resume else None
         import ray
@@ -338,7 +342,11 @@ def command(args: argparse.Namespace, console: Console) -> int:
         ray.init(address=args.address or os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
         try:
             if by_precision:
-                return _report_precision(precision.run_precision_sweep(cfg, base_yaml, settings, console), console)
+                chosen = precision.run_precision_sweep(cfg, base_yaml, grid, console)
+                _report_precision(chosen, console)
+                if not by_shares:
+                    return 0
+                cfg, base_yaml = precision.chosen_config(chosen.best_config)
             sweep = run_sweep(cfg, base_yaml, settings, console, resume=resume)
         finally:
             ray.shutdown()
