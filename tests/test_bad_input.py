@@ -551,7 +551,8 @@ CASES = [
     Case("train-plan-pipelined-with-eval", TRAIN, "`--plan` with pipeline stages and `train: {eval_every: 1}`",
          cli(train_plan(two_stage_plan, train={**BASE["train"], "eval_every": 1})),
          r"train\.eval_every: the evaluation runs on devices holding the whole model, and this plan pipelines "
-         r"it; drop eval_every, or make data parallelism fit \(a smaller train\.max_micro_batch\)"),
+         r"it or splits its layers; drop eval_every, or make data parallelism fit \(a smaller "
+         r"train\.max_micro_batch, train\.max_tensor_parallel: 1\)"),
     Case("train-plan-other-workload", TRAIN, "`--plan` made for the GPT with `n_embd: 16`, the config's has 32",
          cli(train_plan(two_device_plan, workload={"name": "gpt", "options": {**TINY_GPT, "n_embd": 32}})),
          r'{dir}/plan\.json: the plan is for workload gpt .*"n_embd": 16.*, the config trains gpt .*"n_embd": 32.*; '

@@ -125,8 +125,9 @@ def prepare_model(model: torch.nn.Module) -> HeteroModel:
         )
     if ctx.plan.is_pipelined:
         raise ConfigError(
-            "prepare_model: the plan pipelines the model across devices, which an own loop cannot step; raise "
-            "devices' memory, lower train.global_batch, or run the built-in loop"
+            "prepare_model: the plan pipelines the model or splits its layers across devices, which an own loop "
+            "cannot step; raise devices' memory, lower train.global_batch, set train.max_tensor_parallel: 1, or "
+            "run the built-in loop"
         )
     if ctx.precision == "fp16":
         raise ConfigError(

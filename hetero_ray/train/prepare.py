@@ -217,7 +217,8 @@ def check_plan(plan: Plan, footprint: Footprint, cfg: RunConfig) -> Plan:
     if plan.is_pipelined and cfg.train.eval_every:
         raise PlanError(
             "train.eval_every: the evaluation runs on devices holding the whole model, and this plan pipelines "
-            "it; drop eval_every, or make data parallelism fit (a smaller train.max_micro_batch)"
+            "it or splits its layers; drop eval_every, or make data parallelism fit (a smaller "
+            "train.max_micro_batch, train.max_tensor_parallel: 1)"
         )
     if not footprint.batch_coupled:
         return plan
