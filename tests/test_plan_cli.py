@@ -163,3 +163,30 @@ def test_missing_cluster_file(tmp_path: Path, capsys):
     assert main(["plan", "--cluster", str(tmp_path / "nope.yaml"), "--output", str(tmp_path / "p.json")]) == 2
     assert "nope.yaml: cannot read cluster file" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_run_config_lets_the_planner_split_a_block_no_v100_holds(tmp_path: Path, capsys):
+    """A block whose 18.8 GiB of state no V100-16GB holds: on V100s alone the planner finds no plan; with
+    `train.max_tensor_parallel: 4` it splits every block over groups of a node's V100s, which `train` would run
+    (the plan the config route makes), and says which degree it chose against the others."""
+    import yaml
+
+    def plan_for(max_tp: int) -> int:
+        run = tmp_path / f"run-{max_tp}.yaml"
+        config = {
+            "devices": {"V100-16GB": 4},
+            "workload": {"name": "gpt", "options": json.loads(HUGE)},
+            "train": {"global_batch": 8, "max_tensor_parallel": max_tp},
+            "run": {"name": "plan-test", "storage_path": str(tmp_path / "runs")},
+        }
+        run.write_text(yaml.safe_dump(config))
+        return main(["plan", "--config", str(run), "--output", str(tmp_path / f"plan-{max_tp}.json"), "--json"])
+
+    assert plan_for(1) == 2
+    assert "V100-16GB has 16 GiB" in capsys.readouterr().err
+    assert plan_for(4) == 0
+    plan = Plan.from_dict(json.loads(capsys.readouterr().out)["plans"][0])
+    assert plan.tensor_parallel in (2, 4) and len(plan.roles) == 4
+    assert all(r.predicted_memory_bytes <= r.memory_cap_bytes for r in plan.roles)
+    assert f"tensor-parallel degree {plan.tensor_parallel}" in plan.explanation
+    assert "none fits at degree 1" in plan.explanation
