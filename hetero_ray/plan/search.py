@@ -658,16 +658,16 @@ def plan(
     # Imported here: explain builds on this module's types.
     from hetero_ray.plan.explain import build_plan
 
-    ranked = sorted(found, key=lambda f: (f[0], f[1]))[:top_k]
+    found.sort(key=lambda f: (f[0], f[1]))
     plans = [
         build_plan(space, shape, alloc, emulated=emulated, fits_alone=fits)
-        for _, _, space, shape, alloc, fits in ranked
+        for _, _, space, shape, alloc, fits in found[:top_k]
     ]
     if len(set(tensor_parallel)) == 1:
         return plans
     # Why the degree: the best plan of each other degree tried, against this one.
     best = {}
-    for step, degree, *_ in sorted(found, key=lambda f: (f[0], f[1])):
+    for step, degree, *_ in found:
         best.setdefault(degree, step)
     return [replace(p, explanation=p.explanation + "; " + tp_comparison(p, best, tensor_parallel)) for p in plans]
 

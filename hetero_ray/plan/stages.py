@@ -93,7 +93,6 @@ class TypeTable:
     model_flops: float  # the whole model's (unsplit): what a measured speed is a rate of
     # Tensor parallelism over ``tp_degree`` devices: every cost above is one member's; its all-reduces cost
     # ``tp_per_sample`` × micro-batch + ``tp_per_micro`` per micro-batch (prefix sums; zeros at degree 1).
-    tp_degree: int
     tp_per_sample: np.ndarray
     tp_per_micro: np.ndarray
     # A one-stage (data-parallel) member, per sample: its whole share one micro-batch (``tp_allreduce_seconds``).
@@ -160,7 +159,6 @@ def type_table(
         cap_bytes=float(spec.memory_bytes),
         flops=np.concatenate([[0.0], np.cumsum([c.flops_per_sample for c in layers])]),
         model_flops=total_flops,
-        tp_degree=tp_degree,
         tp_per_sample=np.concatenate([[0.0], np.cumsum(tp_per_sample)]),
         tp_per_micro=np.concatenate([[0.0], np.cumsum(tp_per_micro)]),
         tp_per_share=np.concatenate([[0.0], np.cumsum(tp_per_share)]),
