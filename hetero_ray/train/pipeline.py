@@ -357,13 +357,13 @@ def gather_whole_state(
     """
     part = None
     role = roles[rank]
+    names, order = _whole_names(model)
     if role is not None and role.pipeline == 0:
         # By tensor, not by module path: a layer may be a wrapper the model does not hold (the cut points of
         # transformers' models), and a tied tensor has a key per name.
         keys: dict[int, list[str]] = {}
         for k, t in model.state_dict(keep_vars=True).items():
             keys.setdefault(id(t), []).append(k)
-        names, _ = _whole_names(model)
         modules = {id(m): name for name, m in model.named_modules()}
         params = list(model.parameters())
         optimizer = sync.state_dict()
@@ -398,7 +398,6 @@ def gather_whole_state(
         ordered = sorted(shard_list, key=lambda shard: shard[0])
         model_state |= {f"{prefix}.{k}": t for k, t in assemble([s[1] for s in ordered]).items()}
         states |= {f"{prefix}.{k}": s for k, s in _assemble_states([s[2] for s in ordered]).items()}
-    _, order = _whole_names(model)
     position = {name: i for i, name in enumerate(order)}
     optimizer_state = {
         "state": dict(sorted((position[n], s) for n, s in states.items())),
