@@ -113,6 +113,20 @@ def hetero_ray(cluster, *args: str, timeout: float = 120) -> subprocess.Complete
     )
 
 
+def ledger_knows(cluster, ledger: str, job: str, timeout: float = 120) -> dict:
+    """`hetero-ray status --json` once the ledger holds ``job`` on some type or in its queue."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        status = hetero_ray(cluster, "status", "--ledger", ledger, "--json")
+        if status.returncode == 0:
+            busy = json.loads(status.stdout)
+            held = [j for t in busy["types"].values() for j in t["jobs"]]
+            if job in held or job in [w["job"] for w in busy["queue"]]:
+                return busy
+        time.sleep(0.5)
+    raise AssertionError(f"the ledger {ledger!r} never saw job {job!r} in {timeout:.0f} s")
+
+
 def test_jobs_of_each_class_land_on_the_types_their_class_prefers(cluster, tmp_path):
     """Through `hetero-ray submit` on the live cluster: a fine-tune job gets the V100s, a training job the A100s
     while the fine-tune job runs, a second fine-tune job waits in the queue (status shows it) and then runs;
@@ -149,9 +163,8 @@ def test_jobs_of_each_class_land_on_the_types_their_class_prefers(cluster, tmp_p
         )
         assert out.returncode == 0, out.stderr
         jobs[name] = json.loads(out.stdout)["job_id"]
-    status = hetero_ray(cluster, "status", "--ledger", ledger, "--json")
-    assert status.returncode == 0, status.stderr
-    busy = json.loads(status.stdout)
+        # A job reaches the ledger only once its driver starts: wait for it, so the drivers ask in this order.
+        busy = ledger_knows(cluster, ledger, jobs[name])
     for name in ("ft-1", "tr-1"):
         (seen / f"release-{jobs[name]}").write_text("")
         assert wait_for(cluster, jobs[name], timeout=120) == "SUCCEEDED", ray_cli(cluster, "job", "logs", jobs[name])
