@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
+from dataclasses import replace
 
 import pytest
 
 from hetero_ray.cluster.catalog import GPUS_ENV_VAR, Catalog, load_catalog
-from hetero_ray.perf.footprint import Footprint
+from hetero_ray.perf.footprint import Footprint, LayerCost
 from hetero_ray.plan.cost import activation_scale, compute_seconds, max_micro_batch
-from hetero_ray.plan.data_parallel import plan_data_parallel, split_batch
+from hetero_ray.plan.data_parallel import (
+    fastest_zero_stage,
+    memory_fits,
+    plan_data_parallel,
+    split_batch,
+    zero_comm_seconds,
+)
 from hetero_ray.plan.plan import Infeasible, Plan, WorkerRole
+from hetero_ray.train.precision import choose_precision
 
 GiB = 2**30
 A100, V100 = "A100-80GB", "V100-16GB"
@@ -294,4 +303,138 @@ def test_zero_1_prices_the_parameter_all_gather_and_says_when_the_state_fits_now
         param_count=180 * ONE_GIB_OF_PARAMS, dataset_samples=10, flops_per_sample=1e9, activation_bytes_per_sample=1.0
     )
     out = plan_data_parallel(MIX, catalog, huge, global_batch=6, zero_stage=1)
-    assert isinstance(out, Infeasible) and "90.0 GiB of weights and gradients per device" in out.reason
+    assert (
+        isinstance(out, Infeasible) and "90.0 GiB per device and 90.0 GiB across them in shards (ZeRO-1)" in out.reason
+    )
+
+
+# 64 GiB of state (16 weights, 16 gradients, 32 Adam) in 16 layers of 1 GiB of weights each; 0.5 GiB of fp32
+# activations and 6 FLOPs a parameter for 1024 tokens a sample.
+LAYERED = Footprint(
+    param_count=64 * ONE_GIB_OF_PARAMS,
+    dataset_samples=10_000,
+    flops_per_sample=1e14,
+    activation_bytes_per_sample=0.5 * GiB,
+    layers=tuple(
+        LayerCost(
+            params=4 * ONE_GIB_OF_PARAMS,
+            flops_per_sample=1e14 / 16,
+            activation_bytes_per_sample=GiB / 32,
+            output_bytes_per_sample=1e6,
+        )
+        for _ in range(16)
+    ),
+)
+
+
+def test_zero_3_shards_everything_so_a_model_no_v100_holds_under_stages_0_to_2_trains_on_all_six(catalog):
+    """Stages 0–2 keep at least the weights whole (16 GiB and more): no V100-16GB trains. Stage 3 holds two
+    layers' weights and gradients whole (4 GiB) and splits all 64 GiB by what each card has beyond them
+    (76 : 12 GiB), so all six train within their memory."""
+    for stage in (0, 1, 2):
+        plan = plan_of(catalog, MIX, LAYERED, global_batch=48, zero_stage=stage)
+        assert {r.gpu_type for r in plan.roles} == {A100} and plan.excluded[0].count == 4
+    plan = plan_of(catalog, MIX, LAYERED, global_batch=48, zero_stage=3)
+    assert sorted(r.gpu_type for r in plan.roles) == sorted(MIX) and not plan.excluded
+    assert "ZeRO-3: weights, gradients and Adam's state sharded" in plan.explanation
+    spare = {A100: 80 - 4, V100: 16 - 4}
+    fraction = 64 / (2 * spare[A100] + 4 * spare[V100])
+    for r in plan.roles:
+        activations = r.micro_batch * 0.5 * GiB * activation_scale(r.precision)
+        assert r.predicted_memory_bytes == pytest.approx((4 + fraction * spare[r.gpu_type]) * GiB + activations)
+        assert r.predicted_memory_bytes <= r.memory_cap_bytes
+
+
+def test_each_zero_stage_prices_its_collectives_per_pass(catalog):
+    """With one pass, against the plain all-reduce R: stage 1 adds the update's all-gather (R/2), stage 2
+    reduces to owners (R/2) and gathers (R/2), stage 3 gathers for forward and backward (R) and reduces
+    (R/2). With micro-batches, stages 2 and 3 pay theirs on every pass."""
+    link = (10e9, 1e-5)
+    plain = plan_of(catalog, MIX, SMALL, global_batch=48, link=link).predicted_comm_s
+    comm = [plan_of(catalog, MIX, SMALL, global_batch=48, link=link, zero_stage=s).predicted_comm_s for s in (1, 2, 3)]
+    assert comm == pytest.approx([1.5 * plain, plain, 1.5 * plain])
+    three = plan_of(catalog, MIX, SMALL, global_batch=48, link=link, zero_stage=3, max_micro=2)
+    passes = max(r.accumulation_steps for r in three.roles)
+    assert passes > 1 and three.predicted_comm_s == pytest.approx(passes * 1.5 * plain)
+
+
+def test_the_fastest_zero_stage_wins_and_the_explanation_weighs_the_others(catalog):
+    """On the layered model with a link, stage 3 brings the four V100s in and its step is the fastest;
+    without a link every stage computes alike and the tie goes to the stage that shards least."""
+    link = (25e9, 1e-5)
+    candidates = {
+        s: plan_data_parallel(MIX, catalog, LAYERED, global_batch=48, link=link, zero_stage=s) for s in range(4)
+    }
+    best = fastest_zero_stage(candidates)
+    assert best.zero_stage == 3 and best.predicted_step_s == min(p.predicted_step_s for p in candidates.values())
+    assert "ZeRO stage 3" in best.explanation and "ms at ZeRO-0" in best.explanation
+    untied = fastest_zero_stage(
+        {s: plan_data_parallel(MIX, catalog, SMALL, global_batch=48, zero_stage=s) for s in range(4)}
+    )
+    assert untied.zero_stage == 0
+
+
+def test_zero_3_gives_the_v100s_fewer_samples_when_a_second_pass_costs_more_than_it_saves(catalog):
+    """8 GiB of fp16 activations a sample: a V100 holds one at a time. Split by speed, the V100s take two
+    samples each, in two passes; on a 1 GB/s link each pass's gathers and reduces cost more than the A100
+    computing two more samples, so the planner gives each V100 one sample and the step one pass."""
+    fp = Footprint(
+        **{**LAYERED.__dict__, "param_count": 8 * ONE_GIB_OF_PARAMS, "activation_bytes_per_sample": 16 * GiB}
+    )
+    fp = Footprint(**{**fp.__dict__, "layers": tuple(replace(c, params=ONE_GIB_OF_PARAMS) for c in LAYERED.layers[:8])})
+    types = [A100, V100, V100]
+    free = plan_of(catalog, types, fp, global_batch=10, zero_stage=3)
+    assert [(r.local_batch, r.accumulation_steps) for r in free.roles] == [(6, 1), (2, 2), (2, 2)]
+    slow = plan_of(catalog, types, fp, global_batch=10, zero_stage=3, link=(1e9, 1e-5))
+    assert [(r.local_batch, r.accumulation_steps) for r in slow.roles] == [(8, 1), (1, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_zero_plan_is_the_optimum_of_an_exhaustive_walk_over_stages_shares_and_passes(catalog, seed):
+    """Small random instances: every stage, every integer split of the batch (each device at least one sample
+    and at most its passes × its micro-batch cap) and every pass count; the planner's choice of stage, shares
+    and passes is never slower than the best found (1e-9)."""
+    rng = random.Random(seed)
+    types = [rng.choice([A100, V100, "T4"]) for _ in range(3)]
+    layers = rng.randint(2, 6)
+    params = rng.randint(4, 24) * ONE_GIB_OF_PARAMS
+    fp = Footprint(
+        param_count=params,
+        dataset_samples=10_000,
+        flops_per_sample=1e14,
+        activation_bytes_per_sample=rng.choice([2.0, 6.0, 10.0]) * GiB,
+        layers=tuple(
+            LayerCost(
+                params=params // layers,
+                flops_per_sample=1e14 / layers,
+                activation_bytes_per_sample=GiB,
+                output_bytes_per_sample=1e6,
+            )
+            for _ in range(layers)
+        ),
+    )
+    link = (rng.choice([1e9, 10e9, 100e9]), 1e-5)
+    batch = rng.randint(6, 14)
+    best = fastest_zero_stage(
+        {s: plan_data_parallel(types, catalog, fp, global_batch=batch, link=link, zero_stage=s) for s in range(4)}
+    )
+    specs = [catalog.get(t) for t in types]
+    precisions = [choose_precision(s, "auto") for s in specs]
+    numels = (params,)
+    optimum = math.inf
+    for stage in range(4):
+        fits, _ = memory_fits(specs, precisions, fp, stage)
+        usable = [i for i, f in enumerate(fits) if f >= 1]
+        if not usable:
+            continue
+        t = [compute_seconds(specs[i], precisions[i], fp.flops_per_sample, 0.4) for i in usable]
+        for shares in itertools.product(range(1, batch + 1), repeat=len(usable)):
+            if sum(shares) != batch:
+                continue
+            passes = max(-(-b // fits[i]) for b, i in zip(shares, usable))
+            step = max(b * x for b, x in zip(shares, t)) + zero_comm_seconds(numels, len(types), link, stage, passes)
+            optimum = min(optimum, step)
+    if optimum == math.inf:
+        assert isinstance(best, Infeasible)
+        return
+    assert best.predicted_step_s <= optimum * (1 + 1e-9)

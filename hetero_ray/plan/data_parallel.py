@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from hetero_ray.cluster.catalog import Catalog, GpuSpec
 from hetero_ray.perf.footprint import Footprint
@@ -22,8 +23,9 @@ GiB = 2**30
 Link = tuple[float, float]
 
 
-def split_batch(global_batch: int, speeds: Sequence[float]) -> list[int]:
-    """Integer shares of ``global_batch`` minimising the slowest worker's time ``share / speed``.
+def split_batch(global_batch: int, speeds: Sequence[float], caps: Sequence[int] | None = None) -> list[int]:
+    """Integer shares of ``global_batch`` minimising the slowest worker's time ``share / speed``, each at most
+    its entry of ``caps`` if given.
 
     Every worker gets at least one sample; each further sample goes to the worker
     that would finish it first (water-filling), which is optimal for this objective.
@@ -33,13 +35,17 @@ def split_batch(global_batch: int, speeds: Sequence[float]) -> list[int]:
             f"train.global_batch: {global_batch} is smaller than the {len(speeds)} workers sharing it; "
             f"use at least {len(speeds)}"
         )
+    caps = caps or [global_batch] * len(speeds)
+    if sum(caps) < global_batch:
+        raise ValueError(f"train.global_batch: {global_batch} is more than the workers' caps {list(caps)} hold")
     shares = [1] * len(speeds)
-    heap = [((1 + 1) / s, i) for i, s in enumerate(speeds)]
+    heap = [((1 + 1) / s, i) for i, s in enumerate(speeds) if caps[i] > 1]
     heapq.heapify(heap)
     for _ in range(global_batch - len(speeds)):
         _, i = heapq.heappop(heap)
         shares[i] += 1
-        heapq.heappush(heap, ((shares[i] + 1) / speeds[i], i))
+        if shares[i] < caps[i]:
+            heapq.heappush(heap, ((shares[i] + 1) / speeds[i], i))
     return shares
 
 
@@ -82,42 +88,46 @@ def plan_data_parallel(
     specs = [catalog.get(t) for t in rank_types]
     precisions = [choose_precision(s, precision) for s in specs]
     fits, state = memory_fits(specs, precisions, footprint, zero_stage)
+    held, sharded = zero_bytes(footprint, zero_stage)
     usable = [i for i, f in enumerate(fits) if f >= 1]
-    excluded = _exclusions(specs, precisions, fits, footprint, sharded=bool(zero_stage))
+    excluded = _exclusions(specs, precisions, fits, footprint, zero_stage)
     if not usable:
         worst = max(range(len(specs)), key=lambda i: specs[i].memory_bytes)
         need = footprint.memory_bytes(1, activation_scale(precisions[worst]))
         if zero_stage:
             return Infeasible(
-                f"model needs {held_bytes(footprint) / GiB:.1f} GiB of weights and gradients per device and "
-                f"{footprint.param_count * ADAM_STATE_BYTES / GiB:.1f} GiB of Adam state across them (ZeRO-1), "
-                "more than these devices hold at micro-batch 1; use a smaller model or more memory"
+                f"model needs {held / GiB:.1f} GiB per device and {sharded / GiB:.1f} GiB across them in shards "
+                f"(ZeRO-{zero_stage}), more than these devices hold at micro-batch 1; use a smaller model or more "
+                "memory"
             )
         return Infeasible(
             f"model needs {need / GiB:.1f} GiB per device at micro-batch 1; largest device "
             f"({specs[worst].name}) has {specs[worst].memory_gib:g} GiB; use a smaller model or more memory"
         )
     per_sample = [compute_seconds(specs[i], precisions[i], footprint.flops_per_sample, efficiency) for i in usable]
+    caps = [min(fits[i], max_micro or fits[i]) for i in usable]
+    world = len(rank_types)
+    numels = footprint.param_numels or (footprint.param_count,)
+
+    def comm(passes: int) -> float:
+        return zero_comm_seconds(numels, world, link, zero_stage, passes, reduce_dtype) if link else 0.0
+
     try:
         weights = _weights(split, [specs[i] for i in usable], [1 / t for t in per_sample])
         shares = split_batch(global_batch, weights)
+        if link and zero_stage >= 2 and split == "proportional":
+            shares = _fewer_passes(global_batch, weights, per_sample, caps, shares, comm)
     except ValueError as exc:
         return Infeasible(str(exc))
-    caps = [min(fits[i], max_micro or fits[i]) for i in usable]
     roles = data_parallel_roles(
         [(specs[i].name, precisions[i], specs[i].memory_bytes) for i in usable],
         shares,
         per_sample,
         caps,
         footprint,
-        static_bytes=[held_bytes(footprint) + state[i] for i in usable],
+        static_bytes=[held + state[i] for i in usable],
     )
-    world = len(rank_types)
-    numels = footprint.param_numels or (footprint.param_count,)
-    comm_fp32 = allreduce_seconds(numels, world, *link, element_bytes=WIRE_BYTES[reduce_dtype]) if link else 0.0
-    if link and zero_stage:
-        # Owners send their updated parameters to all: a ring all-gather, the second half of a ring all-reduce.
-        comm_fp32 += allreduce_seconds(numels, world, *link) / 2
+    comm_fp32 = comm(max(r.accumulation_steps for r in roles))
     plan = Plan(
         global_batch=global_batch,
         split=split if isinstance(split, str) else "weights",
@@ -134,34 +144,90 @@ def plan_data_parallel(
     return Plan(**{**plan.__dict__, "explanation": explain(plan)})
 
 
+def fastest_zero_stage(candidates: Mapping[int, Plan | Infeasible]) -> Plan | Infeasible:
+    """Of one plan per ZeRO stage, the one whose step is predicted fastest (a tie goes to the lower stage,
+    which shards less); its explanation weighs it against the others."""
+    fits = {stage: p for stage, p in candidates.items() if isinstance(p, Plan)}
+    if not fits:
+        return Infeasible("; ".join(f"ZeRO-{stage}: {p.reason}" for stage, p in sorted(candidates.items())))
+    stage = min(fits, key=lambda k: (fits[k].predicted_step_s, k))
+    chosen = fits[stage]
+    others = [
+        f"{p.predicted_step_s * 1e3:.4g} ms at ZeRO-{k}" if isinstance(p, Plan) else f"none fits at ZeRO-{k}"
+        for k, p in sorted(candidates.items())
+        if k != stage
+    ]
+    why = f"ZeRO stage {stage} ({chosen.predicted_step_s * 1e3:.4g} ms) against {', '.join(others)}"
+    return replace(chosen, explanation=f"{chosen.explanation}; {why}")
+
+
+def zero_comm_seconds(
+    numels: Sequence[int], world: int, link: Link, zero_stage: int, passes: int, reduce_dtype: str = "fp32"
+) -> float:
+    """A step's synchronisation under ZeRO ``zero_stage`` when every rank runs ``passes`` backward passes.
+
+    A gradient reduce to the owners is the first half of a ring all-reduce (a reduce-scatter), a parameter
+    gather the second half (an all-gather, fp32). Stage 0 all-reduces the gradients; stage 1 too, then the
+    owners share their updates; stage 2 reduces each pass's gradients as they fill, then shares the updates;
+    stage 3 gathers each layer's weights for every pass's forward and again for its backward and reduces
+    each pass's gradients, and the next forward's gathers bring the updates.
+    """
+    reduce = allreduce_seconds(numels, world, *link, element_bytes=WIRE_BYTES[reduce_dtype])
+    gather = allreduce_seconds(numels, world, *link) / 2
+    return (reduce, reduce + gather, passes * reduce / 2 + gather, passes * (reduce / 2 + 2 * gather))[zero_stage]
+
+
+def _fewer_passes(global_batch, weights, per_sample, caps, shares, comm) -> list[int]:
+    """Under ZeRO-2 and -3 every pass of the step costs collectives, and the rank with the most micro-batches
+    sets the passes: the shares, capped at ``passes × cap`` each, whose compute plus ``comm(passes)`` is least
+    (from the uncapped split's passes down to the fewest that hold the batch)."""
+
+    def step(s: Sequence[int]) -> float:
+        return max(b * t for b, t in zip(s, per_sample)) + comm(max(-(-b // c) for b, c in zip(s, caps)))
+
+    most = max(-(-b // c) for b, c in zip(shares, caps))
+    fewest = -(-global_batch // sum(caps))
+    tried = [split_batch(global_batch, weights, [p * c for c in caps]) for p in range(fewest, most)]
+    return min([shares, *tried], key=step)
+
+
 def memory_fits(
     specs: Sequence[GpuSpec], precisions: Sequence[str], footprint: Footprint, zero_stage: int = 0
 ) -> tuple[list[int], list[float]]:
-    """The largest micro-batch each device fits (0: none) and the bytes of Adam's state it holds: all of it, or
-    under ZeRO-1 its share (``sharded_state``)."""
+    """The largest micro-batch each device fits (0: none) and the bytes of its ZeRO shard (``sharded_state``);
+    without ZeRO, no shard: every device holds the whole state."""
     if zero_stage:
-        return sharded_state(specs, precisions, footprint)
-    fits = [max_micro_batch(s, p, footprint) for s, p in zip(specs, precisions)]
-    return fits, [footprint.param_count * ADAM_STATE_BYTES] * len(specs)
+        return sharded_state(specs, precisions, footprint, zero_stage)
+    return [max_micro_batch(s, p, footprint) for s, p in zip(specs, precisions)], [0.0] * len(specs)
 
 
-def held_bytes(footprint: Footprint) -> float:
-    """Weights and gradients: what every data-parallel worker holds whole under ZeRO-1 (the engine's shards,
-    ``train/zero.py::spare_memory``, are sized by what is left beyond them)."""
-    return footprint.param_count * WEIGHT_AND_GRAD_BYTES
+def zero_bytes(footprint: Footprint, zero_stage: int) -> tuple[float, float]:
+    """Under ZeRO ``zero_stage``: (bytes every data-parallel rank holds whole, bytes the ranks' shards split) of
+    fp32 weights, fp32 gradients and Adam's two moments. The engine (``train/zero.py``) keeps to both.
+
+    Stage 1 shards Adam's state; stage 2 also the gradients, of which a rank holds two layers' worth unreduced
+    at once (one filling, one on the wire); stage 3 also the weights, of which a rank holds two layers gathered
+    at once, with their gradients. A workload that cannot be cut into layers is one layer.
+    """
+    params = footprint.param_count
+    layer = max((c.params for c in footprint.layers), default=params)
+    whole = params * (WEIGHT_AND_GRAD_BYTES + ADAM_STATE_BYTES)
+    sharded = (0, params * ADAM_STATE_BYTES, params * (4 + ADAM_STATE_BYTES), whole)[zero_stage]
+    held = (whole - sharded, whole - sharded, whole - sharded + 2 * layer * 4, 2 * layer * WEIGHT_AND_GRAD_BYTES)
+    return float(held[zero_stage]), float(sharded)
 
 
 def sharded_state(
-    specs: Sequence[GpuSpec], precisions: Sequence[str], footprint: Footprint
+    specs: Sequence[GpuSpec], precisions: Sequence[str], footprint: Footprint, zero_stage: int = 1
 ) -> tuple[list[int], list[float]]:
-    """ZeRO-1 by memory: the largest micro-batch each device fits (0: none) and the bytes of Adam's state it holds.
+    """ZeRO by memory: the largest micro-batch each device fits (0: none) and the bytes of its shard.
 
-    Every device keeps weights and gradients whole; Adam's state is split in proportion to the memory
-    each has beyond them (``train/zero.py`` shards by the same rule), so every device gives the same
-    fraction of that spare memory to state and the rest to activations. A device without room for one
-    sample after its share drops out, which raises the others' shares: repeated until all that remain fit.
+    Every device holds ``zero_bytes``' whole part; the sharded part is split in proportion to the memory each
+    has beyond it (``train/zero.py`` shards by the same rule), so every device gives the same fraction of
+    that spare memory to its shard and the rest to activations. A device without room for one sample after
+    its shard drops out, which raises the others' shares: repeated until all that remain fit.
     """
-    held, state = held_bytes(footprint), footprint.param_count * ADAM_STATE_BYTES
+    held, state = zero_bytes(footprint, zero_stage)
     spare = [s.memory_bytes - held for s in specs]
     per_sample = [footprint.activation_bytes_per_sample * activation_scale(p) for p in precisions]
     members = {i for i, x in enumerate(spare) if x > 0}
@@ -220,15 +286,16 @@ def data_parallel_roles(
     return roles
 
 
-def _exclusions(specs, precisions, fits, footprint: Footprint, *, sharded: bool) -> tuple[Exclusion, ...]:
+def _exclusions(specs, precisions, fits, footprint: Footprint, zero_stage: int) -> tuple[Exclusion, ...]:
     out: dict[str, Exclusion] = {}
+    held = zero_bytes(footprint, zero_stage)[0]
     for spec, prec, fit in zip(specs, precisions, fits):
         if fit < 1:
-            if sharded:
-                need = (held_bytes(footprint) + footprint.activation_bytes_per_sample * activation_scale(prec)) / GiB
+            if zero_stage:
+                need = (held + footprint.activation_bytes_per_sample * activation_scale(prec)) / GiB
                 reason = (
-                    f"ZeRO-1: weights, gradients and one sample ({need:.1f} GiB) leave too little of its "
-                    f"{spec.memory_gib:g} GiB for a share of Adam's state"
+                    f"ZeRO-{zero_stage}: what every device holds whole and one sample ({need:.1f} GiB) leave too "
+                    f"little of its {spec.memory_gib:g} GiB for a shard"
                 )
             else:
                 need = footprint.memory_bytes(1, activation_scale(prec)) / GiB
@@ -267,9 +334,10 @@ def explain(plan: Plan) -> str:
         )
     lines += [f"{e.count} × {e.gpu_type} excluded: {e.reason}" for e in plan.excluded]
     if plan.zero_stage:
+        what = ("Adam's state", "gradients and Adam's state", "weights, gradients and Adam's state")
         lines.append(
-            "ZeRO-1: Adam's state is sharded in proportion to each device's memory beyond weights and gradients, "
-            "so devices too small for the whole state train too"
+            f"ZeRO-{plan.zero_stage}: {what[plan.zero_stage - 1]} sharded in proportion to each device's memory "
+            "beyond what it holds whole, so devices too small for the whole state train too"
         )
     if plan.predicted_comm_fp32_s:
         lines.append(explain_communication(plan))

@@ -24,7 +24,7 @@ from torch import nn
 
 from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.perf.footprint import Footprint
-from hetero_ray.plan.data_parallel import held_bytes
+from hetero_ray.plan.data_parallel import zero_bytes
 from hetero_ray.plan.plan import WorkerRole
 
 
@@ -33,7 +33,7 @@ def spare_memory(
 ) -> list[float]:
     """Each rank's weight for its shard of Adam's state: its memory beyond weights and gradients, the planner's
     rule (``plan/data_parallel.py::sharded_state``); a rank with no room beyond them still gets a token weight."""
-    held = held_bytes(footprint)
+    held = zero_bytes(footprint, 1)[0]
     memory = [r.memory_cap_bytes if r else catalog.get(t).memory_bytes for r, t in zip(roles, rank_types)]
     return [max(1.0, float(m - held)) for m in memory]
 
