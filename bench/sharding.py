@@ -1,0 +1,195 @@
+"""ZeRO by memory: how much larger a model trains when state is sharded in proportion to each card's memory.
+
+- ``capacity_ratio``: on 2 × A100-80GB + 4 × V100-16GB, the largest GPT (parameters) that trains data-parallel
+  on all six cards with memory-proportional ZeRO-3 ÷ the largest that trains on all six without sharding
+  (every card holds the whole state, as DDP does). Beside it, the same against plain data parallelism on the
+  A100s alone (the V100s left unused), which is the planner's plan without ZeRO. Modelled: the GPT family's
+  costs measured on the meta device, the planner's memory rule (``plan/data_parallel.py::zero_bytes``), the
+  catalog's memory; not a run.
+- ``uneven_over_even``: on that mix, the largest GPT trainable with memory-proportional ZeRO-3 shards ÷ with
+  even shards (ZeRO's and FSDP's rule: every card holds 1/6 of the state), both on all six cards. Modelled.
+- ``three_types``: a memory-bound case on three GPU types (2 × A100-80GB + 4 × V100-16GB + 4 × T4); the
+  planner's best modelled step without ZeRO ÷ its best with ZeRO stages in its space
+  (``optimizer.zero_stage: auto``), with the devices each plan leaves unused: over the whole space
+  (pipelines too), and over data parallelism alone, as for a model the planner may not pipeline. Modelled.
+
+The GPT family: 24 layers, 512 tokens, 128-wide heads; the width grows in steps of 128.
+
+Usage: python bench/sharding.py [--json-out docs/measurements/sharding.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from collections.abc import Callable, Sequence
+
+MIX = {"A100-80GB": 2, "V100-16GB": 4}
+THREE = {"A100-80GB": 2, "V100-16GB": 4, "T4": 4}
+LAYERS, TOKENS, HEAD = 24, 512, 128
+GLOBAL_BATCH = 64
+
+
+@functools.cache
+def footprint(width: int):
+    """The GPT of ``width`` (a multiple of ``HEAD``), measured on the meta device."""
+    from hetero_ray.perf.footprint import measure_footprint
+    from hetero_ray.workloads import build_workload
+
+    options = {"n_layer": LAYERS, "n_head": width // HEAD, "n_embd": width, "block_size": TOKENS}
+    return measure_footprint(lambda: build_workload("gpt", options))
+
+
+def largest(fits: Callable[[object], bool], low: int = 1, high: int = 160) -> int:
+    """The largest width (in units of ``HEAD``) whose footprint ``fits``, by bisection (fitting is monotone in
+    the width); ``low`` must fit."""
+    assert fits(footprint(low * HEAD)), "the smallest GPT of the family does not fit"
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(footprint(mid * HEAD)) else (low, mid)
+    return low * HEAD
+
+
+def ranks(devices: dict[str, int]) -> list[str]:
+    return [t for t, n in devices.items() for _ in range(n)]
+
+
+def trains_on_all(stage: int, devices: dict[str, int], catalog) -> Callable[[object], bool]:
+    """Whether data parallelism at ZeRO ``stage`` (memory-proportional shards) trains on every device."""
+    from hetero_ray.plan.data_parallel import plan_data_parallel
+    from hetero_ray.plan.plan import Plan
+
+    def fits(fp) -> bool:
+        plan = plan_data_parallel(ranks(devices), catalog, fp, global_batch=GLOBAL_BATCH, zero_stage=stage)
+        return isinstance(plan, Plan) and not plan.excluded
+
+    return fits
+
+
+def trains_somewhere(devices: dict[str, int], catalog) -> Callable[[object], bool]:
+    """Whether plain data parallelism trains on some of the devices (the others left unused)."""
+    from hetero_ray.plan.data_parallel import plan_data_parallel
+    from hetero_ray.plan.plan import Plan
+
+    return lambda fp: isinstance(plan_data_parallel(ranks(devices), catalog, fp, global_batch=GLOBAL_BATCH), Plan)
+
+
+def even_shards_fit(devices: dict[str, int], catalog) -> Callable[[object], bool]:
+    """ZeRO-3 as DeepSpeed and FSDP shard: every device holds 1/world of the sharded state, beside what it
+    holds whole and one sample's activations in its precision."""
+    from hetero_ray.plan.cost import activation_scale
+    from hetero_ray.plan.data_parallel import zero_bytes
+    from hetero_ray.train.precision import choose_precision
+
+    specs = [catalog.get(t) for t in ranks(devices)]
+
+    def fits(fp) -> bool:
+        held, sharded = zero_bytes(fp, 3)
+        return all(
+            held + sharded / len(specs) + fp.activation_bytes_per_sample * activation_scale(choose_precision(s, "auto"))
+            <= s.memory_bytes
+            for s in specs
+        )
+
+    return fits
+
+
+def capacity(catalog) -> dict:
+    widths = {
+        "zero3_by_memory_on_all": largest(trains_on_all(3, MIX, catalog)),
+        "zero3_even_on_all": largest(even_shards_fit(MIX, catalog)),
+        "unsharded_on_all": largest(trains_on_all(0, MIX, catalog)),
+        "unsharded_on_some": largest(trains_somewhere(MIX, catalog)),
+    }
+    params = {k: footprint(w).param_count for k, w in widths.items()}
+    return {
+        "devices": MIX,
+        "kind": "modelled (the GPT family's costs measured on the meta device; the planner's memory rule; "
+        "catalog memory; auto precision: bf16 on A100, fp16 on V100)",
+        "family": f"GPT, {LAYERS} layers, {TOKENS} tokens, heads of {HEAD}; largest width in steps of {HEAD}",
+        "width": widths,
+        "params": params,
+        "capacity_ratio": params["zero3_by_memory_on_all"] / params["unsharded_on_all"],
+        "capacity_ratio_vs_a100s_alone": params["zero3_by_memory_on_all"] / params["unsharded_on_some"],
+        "uneven_over_even": params["zero3_by_memory_on_all"] / params["zero3_even_on_all"],
+    }
+
+
+def three_types(catalog, width: int) -> dict:
+    """The planner with and without ZeRO in its space on ``THREE``, for the GPT of ``width``: over its whole
+    space (pipelines and data parallelism), and over data parallelism alone, as for a model it may not
+    pipeline (batch statistics)."""
+    from hetero_ray.plan.data_parallel import fastest_zero_stage, plan_data_parallel
+    from hetero_ray.plan.plan import Plan
+    from hetero_ray.plan.search import plan
+    from hetero_ray.plan.topology import uniform_topology
+
+    fp = footprint(width)
+    types = ranks(THREE)
+    gbps = 100.0
+    topology = uniform_topology(catalog, THREE, gpus_per_node=4, inter_node_gbps=gbps)
+    # Data parallelism spans the nodes: its collectives run at the NIC's speed.
+    link = (gbps * 1e9 / 8, 1e-5)
+    sharded = {
+        s: plan_data_parallel(types, catalog, fp, global_batch=GLOBAL_BATCH, link=link, zero_stage=s) for s in (1, 2, 3)
+    }
+
+    def summary(p) -> dict:
+        if not isinstance(p, Plan):
+            return {"infeasible": p.reason}
+        used = {t: sum(r.gpu_type == t for r in p.roles) for t in THREE}
+        return {
+            "step_s": p.predicted_step_s,
+            "zero_stage": p.zero_stage,
+            "pipelined": p.is_pipelined,
+            "used": used,
+            "unused": {t: n - used[t] for t, n in THREE.items() if n - used[t]},
+            "explanation": p.explanation,
+        }
+
+    def compare(max_stages: int) -> dict:
+        searched = plan(
+            types, catalog, fp, global_batch=GLOBAL_BATCH, topology=topology, max_stages=max_stages, top_k=1
+        )
+        without = searched[0] if isinstance(searched, list) else searched
+        best = fastest_zero_stage({0: without, **sharded})
+        return {
+            "without_zero": summary(without),
+            "with_zero": summary(best),
+            "without_over_with": without.predicted_step_s / best.predicted_step_s
+            if isinstance(without, Plan) and isinstance(best, Plan)
+            else None,
+        }
+
+    return {
+        "devices": THREE,
+        "kind": "modelled (catalog speeds, efficiency 0.4; costs measured on the meta device)",
+        "case": f"GPT width {width} ({fp.param_count / 1e9:.2f} G parameters), global batch {GLOBAL_BATCH}; "
+        f"nodes of 4 GPUs, {gbps:g} Gbit/s between them",
+        "zero_steps_s": {s: p.predicted_step_s if isinstance(p, Plan) else None for s, p in sharded.items()},
+        "whole_space": compare(8),
+        "data_parallel_only": compare(1),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args(argv)
+    from hetero_ray.cluster.catalog import load_catalog
+
+    catalog = load_catalog()
+    out = {"capacity": capacity(catalog)}
+    # The largest GPT an A100-80GB holds whole, and the largest ZeRO-3 trains on the two-type mix (none whole).
+    widths = out["capacity"]["width"]
+    out["three_types"] = [three_types(catalog, widths[k]) for k in ("unsharded_on_some", "zero3_by_memory_on_all")]
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
