@@ -3,6 +3,7 @@ ranks play, and the one-process run they must reproduce."""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import Callable
@@ -81,3 +82,11 @@ def one_process(
         opt.step()
         opt.zero_grad()
     return losses, workload.model.state_dict(), opt.state_dict()
+
+
+def poisonable(workload) -> list[bool]:
+    """Make ``workload``'s loss infinite while the returned flag's one element is True, as an fp16 overflow
+    would make it."""
+    base_loss, poisoned = workload.loss_fn, [False]
+    workload.loss_fn = lambda m, b: base_loss(m, b) * (math.inf if poisoned[0] else 1.0)
+    return poisoned

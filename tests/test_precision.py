@@ -5,11 +5,9 @@ computes the gradient one bf16 process computes, within bf16's rounding."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
-from ranks import run_ranks, worker_role
+from ranks import poisonable, run_ranks, worker_role
 
 from hetero_ray.config import parse_config
 from hetero_ray.plan.plan import WorkerRole
@@ -32,8 +30,7 @@ def train_ranks(rank: int, world: int, roles: list[WorkerRole], steps: int, pois
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
     workload = build_workload("gpt", OPTIONS)
-    base_loss, poisoned = workload.loss_fn, [False]
-    workload.loss_fn = lambda m, b: base_loss(m, b) * (math.inf if poisoned[0] else 1.0)
+    poisoned = poisonable(workload)
     mine = roles[rank]
     cpu = torch.device("cpu")
     sync = TorchAdam(workload.model, parse_config(CONFIG), cpu, mine.precision)

@@ -13,6 +13,7 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,8 +28,8 @@ from hetero_ray.cluster.cpu_slices import free_comm_threads
 from hetero_ray.config import RunConfig
 from hetero_ray.monitor.health import HealthPolicy
 from hetero_ray.monitor.worker import WorkerMonitor
-from hetero_ray.perf.footprint import OPTIMIZER_STATE_BYTES_PER_PARAM, STATIC_BYTES_PER_PARAM, Footprint
-from hetero_ray.plan.data_parallel import memory_fits
+from hetero_ray.perf.footprint import STATIC_BYTES_PER_PARAM, Footprint
+from hetero_ray.plan.data_parallel import memory_fits, zero_bytes
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
 from hetero_ray.train.batch_norm import share_batch_norm
 from hetero_ray.train.buckets import EmulatedLink
@@ -131,6 +132,7 @@ def train_worker(config: dict[str, Any]) -> None:
         if emu and cfg.link
         else None
     )
+    zero_stage = plan.zero_stage
     sync = make_sync(
         model,
         cfg,
@@ -138,13 +140,15 @@ def train_worker(config: dict[str, Any]) -> None:
         precision,
         buckets,
         link,
-        spare_memory(roles, rank_types, catalog, footprint),
+        spare_memory(roles, rank_types, catalog, footprint, zero_stage),
         role.tp_degree if role else 1,
+        zero_stage,
+        list(workload.layered.layers(model)) if workload.layered and not plan.is_pipelined else None,
     )
-    # Weights, gradients and the optimizer state this rank holds (under ZeRO, its shard's alone).
-    static_bytes = footprint.static_bytes - OPTIMIZER_STATE_BYTES_PER_PARAM * (
-        footprint.param_count - sync.optimizer_elements
-    )
+    # Weights, gradients and optimizer state this rank holds: under ZeRO what every rank holds whole, and its
+    # shard's fraction of the rest (the optimizer's slices are the shard).
+    held_whole, sharded = zero_bytes(footprint, zero_stage)
+    static_bytes = int(held_whole + sharded * sync.optimizer_elements / footprint.param_count)
     # gloo's threads leave the device's slice (they are its host's). A thread is named only once it runs, so
     # those of the groups just made may not show yet: again after the first step.
     free_comm_threads(device_slice)
@@ -176,7 +180,7 @@ def train_worker(config: dict[str, Any]) -> None:
         if plan.is_pipelined or footprint.batch_coupled
         else Rebalancer(
             roles,
-            _micro_caps(cfg, catalog, rank_types, roles, footprint),
+            _micro_caps(cfg, catalog, rank_types, roles, footprint, zero_stage),
             global_batch=cfg.train.global_batch,
             footprint=footprint,
             policy=HealthPolicy(),
@@ -211,7 +215,9 @@ def train_worker(config: dict[str, Any]) -> None:
                 sync,
                 precision,
                 static_bytes=static_bytes,
-                retry_in_halves=not footprint.batch_coupled,
+                # Halves would change the number of passes, which ZeRO-2/3 makes every rank run alike.
+                retry_in_halves=not footprint.batch_coupled and zero_stage < 2,
+                passes=equal_passes(roles, zero_stage),
             )
             busy = emu.pad(t0, role.local_batch) if emu and role else time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -225,7 +231,8 @@ def train_worker(config: dict[str, Any]) -> None:
         last = step + 1 == cfg.train.steps or synced.stop
         if cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or last):
             held_out = torch.arange(len(workload.dataset) - held, len(workload.dataset))
-            evaluated = (step, evaluate(model, workload, held_out, roles, rank, device, precision))
+            with sync.whole_weights():
+                evaluated = (step, evaluate(model, workload, held_out, roles, rank, device, precision))
         if (step + 1) % cfg.train.report_every == 0 or (step + 1) % cfg.train.checkpoint_every == 0 or last:
             history.append((step, loss))
             save = (step + 1) % cfg.train.checkpoint_every == 0 or last
@@ -265,6 +272,7 @@ def local_backward(
     *,
     static_bytes: int = 0,
     retry_in_halves: bool = True,
+    passes: int | None = None,
 ) -> tuple[float, int | None]:
     """Accumulate this worker's share of the full-batch mean gradient, computing in ``precision``; return its
     summed loss and, after an out-of-memory, the micro-batch size that then fitted (else ``None``).
@@ -275,18 +283,25 @@ def local_backward(
     out-of-memory in the backward would leave a partial gradient: it propagates, as
     one without ``retry_in_halves`` (a model whose batch statistics the ranks share: halves would
     not span the share).
+
+    ``passes``: the backward passes every rank runs (ZeRO-2/3, whose passes make collectives every rank must
+    make alike). A rank with fewer micro-batches, or none, runs the rest on one sample (its first, or the
+    batch's) at loss weight 0: the same graph, exactly zero gradients, no sample counted.
     """
-    if role is None:
+    if role is None and not passes:
         return 0.0, None
     loss_sum, fitted = 0.0, None
-    pending = role.micro_batches()
+    # (start, size, samples it counts for)
+    pending = [(start, size, size) for start, size in role.micro_batches()] if role else []
+    pending += [(role.sample_offset if role else 0, 1, 0)] * ((passes or 0) - len(pending))
+    checkpointing = role.activation_checkpointing if role else False
     while pending:
-        start, size = pending.pop(0)
+        start, size, counted = pending.pop(0)
         batch = tree_map(lambda t: t.to(device), collate(workload.dataset, indices[start : start + size]))
         try:
             with emu.memory_cap(model, static_bytes) if emu else nullcontext():
                 with autocast(precision, device):
-                    loss = _forward(model, workload, batch, role.activation_checkpointing)
+                    loss = _forward(model, workload, batch, checkpointing)
         except torch.OutOfMemoryError:
             half = halve(size)
             if not half or not retry_in_halves:
@@ -294,13 +309,19 @@ def local_backward(
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             fitted = min(fitted or half, half)
-            pending[:0] = [(start, half), (start + half, size - half)]
+            pending[:0] = [(start, half, half), (start + half, size - half, size - half)]
             continue
         if not pending:
             sync.arm()  # the step's last backward: its gradients go on the wire as they are ready
-        sync.backward(loss * (size / global_batch * sync.loss_weight))
-        loss_sum += loss.item() * size
+        sync.backward(loss * (counted / global_batch * sync.loss_weight))
+        loss_sum += loss.item() * counted
     return loss_sum, fitted
+
+
+def equal_passes(roles: Sequence[WorkerRole | None], zero_stage: int) -> int | None:
+    """The backward passes every rank runs under ZeRO-2/3 (the most micro-batches of any role); ``None``
+    below, where each rank runs its own."""
+    return max(r.accumulation_steps for r in roles if r) if zero_stage >= 2 else None
 
 
 @torch.no_grad()
@@ -332,11 +353,11 @@ def _forward(model, workload, batch, checkpointing: bool) -> torch.Tensor:
     return layered.output_loss(run(layered.inputs(batch)), layered.targets(batch))
 
 
-def _micro_caps(cfg: RunConfig, catalog, rank_types, roles, footprint: Footprint) -> list[int]:
+def _micro_caps(cfg: RunConfig, catalog, rank_types, roles, footprint: Footprint, zero_stage: int) -> list[int]:
     """The largest micro-batch each rank fits, as the planner found it (under ZeRO, beside its shard)."""
     specs = [catalog.get(t) for t in rank_types]
     precisions = [r.precision if r else choose_precision(s, cfg.train.precision) for r, s in zip(roles, specs)]
-    fits, _ = memory_fits(specs, precisions, footprint, cfg.optimizer.zero_stage)
+    fits, _ = memory_fits(specs, precisions, footprint, zero_stage)
     return [f if r else 0 for f, r in zip(fits, roles)]
 
 
@@ -369,6 +390,10 @@ def _metrics(
         **window.summary(),
         "overrun_steps": emu.overrun_steps if emu else 0,
         "comm_overruns": link.overruns if link else 0,
+        # An emulated device's most bytes held under its cap (what it holds besides activations, plus live
+        # saved activations); its cap.
+        "peak_memory_bytes": emu.peak_bytes if emu else None,
+        "memory_cap_bytes": emu.memory_bytes if emu else None,
     }
     everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine)
@@ -390,6 +415,8 @@ def _metrics(
                 "compressed": m["compressed"],
                 "overrun_steps": m["overrun_steps"],
                 "comm_overruns": m["comm_overruns"],
+                "peak_memory_bytes": m["peak_memory_bytes"],
+                "memory_cap_bytes": m["memory_cap_bytes"],
             }
         )
     step_s = max(d["step_s"] for d in devices)
@@ -413,7 +440,9 @@ def _whole_state(model, workload, sync, roles, rank, plan: Plan) -> tuple[dict, 
     if plan.is_pipelined:
         return gather_whole_state(model, list(workload.layered.layers(model)), sync, roles, rank)
     optimizer_state = sync.state_dict()  # on every rank: a sharded optimizer gathers its state to rank 0
-    return (model.state_dict(), optimizer_state) if rank == 0 else None
+    with sync.whole_weights():  # on every rank: ZeRO-3 gathers the parameters, and releases them after
+        model_state = {k: v.clone() for k, v in model.state_dict().items()} if rank == 0 else None
+    return (model_state, optimizer_state) if rank == 0 else None
 
 
 def _report(metrics, whole: tuple[dict, dict] | None, history, step, plan: Plan, *, save: bool) -> None:

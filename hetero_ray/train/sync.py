@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from hetero_ray.config import ConfigError, RunConfig
 from hetero_ray.plan.cost import onebit_allreduce_bytes, ring_allreduce_bytes
 from hetero_ray.train.buckets import WIRE_DTYPES, Bucket, EmulatedLink, GradBuckets, Launch
 from hetero_ray.train.precision import loss_scaler
-from hetero_ray.train.zero import ShardedParameters, Shards
+from hetero_ray.train.zero import ShardedParameters, Shards, layer_units
 from hetero_ray.workloads.tensor_parallel import TensorParallelBlock
 
 
@@ -46,11 +47,17 @@ class TorchAdam:
     of ranks holding the same layers. Gradients live in ``buckets.GradBuckets``:
     views into flat chunks, each all-reduced (in ``train.reduce_dtype``) while the
     backward goes on. fp16 ranks reduce after their local unscale (scales differ by
-    rank), and all ranks skip a step together when any gradient is not finite.
+    rank), and all ranks skip a step together when any gradient is not finite (under
+    ZeRO-2/3 every fp16 rank's scaler then backs off: the gradients it sent are summed
+    by their owners, which see only sums).
     ``train.grad_clip`` scales the summed gradient down to that global norm on every
-    rank alike. Under ZeRO-1 (``train/zero.py``) a rank's AdamW holds its shard's slices
-    alone and each owner broadcasts its update. Optimizer state is saved by position in
-    ``model.parameters()``, so a checkpoint loads on any plan and any ZeRO stage.
+    rank alike. Under ZeRO (``zero_stage``, ``train/zero.py``) a rank's AdamW holds its
+    shard's slices alone; at stage 2 the gradients are reduced to their owners pass by pass
+    and kept there alone, at stage 3 the parameters too (``layers``: the workload's, which
+    chunks are cut at and gathered by; ``whole_weights`` for a use that needs the whole model;
+    a checkpoint's weights go into the model before, since stage 3 keeps only its slices of them).
+    Optimizer state is saved by position in ``model.parameters()``, so a checkpoint loads on
+    any plan and any ZeRO stage.
     """
 
     loss_weight = 1.0
@@ -65,8 +72,13 @@ class TorchAdam:
         link: EmulatedLink | None = None,
         shard_weights: Sequence[float] | None = None,
         tp_degree: int = 1,
+        zero_stage: int = 0,
+        layers: Sequence[torch.nn.Module] | None = None,
     ):
-        buckets = buckets if buckets is not None else [Bucket(None, dist.get_world_size(), list(model.parameters()))]
+        world = dist.get_world_size()
+        if buckets is None:
+            units = layer_units(model, layers, zero_stage) or [list(model.parameters())]
+            buckets = [Bucket(None, world, unit) for unit in units]
         self.params = [p for b in buckets for p in b.params]
         position = {id(p): i for i, p in enumerate(model.parameters())}
         self.index = [position[id(p)] for p in self.params]
@@ -77,14 +89,28 @@ class TorchAdam:
             link=link,
         )
         self.link = link
+        self.zero_stage = zero_stage
         self.sharded = None
-        if cfg.optimizer.zero_stage:
-            world = dist.get_world_size()
-            chunks = [(c.params, c.flat) for c in self.grads.chunks]
-            shards = Shards.by_weight(sum(c.flat.numel() for c in self.grads.chunks), shard_weights or [1.0] * world)
-            self.sharded = ShardedParameters(chunks, shards, dist.get_rank())
+        if zero_stage:
+            rank, chunks = dist.get_rank(), self.grads.chunks
+            shards = Shards.by_weight(sum(c.flat.numel() for c in chunks), shard_weights or [1.0] * world)
+            if zero_stage >= 2:
+                self.grads.reduce_to_owners(shards, rank)
+            self.sharded = ShardedParameters(
+                [(c.params, c.own if zero_stage >= 2 else c.flat) for c in chunks],
+                shards,
+                rank,
+                zero_stage,
+                self.grads.launches,
+            )
             # Positions in the flattened (chunk) order, which reverses the buckets'.
-            self.flat_index = [position[id(p)] for c in self.grads.chunks for p in c.params]
+            self.flat_index = [position[id(p)] for c in chunks for p in c.params]
+        if zero_stage == 3:
+            chunk_of = {p: i for i, c in enumerate(chunks) for p in c.params}
+            self.sharded.gather_per_layer(
+                layers, [sorted({chunk_of[p] for p in layer.parameters() if p in chunk_of}) for layer in layers]
+            )
+            self.grads.on_launch = lambda chunk: self.sharded.release([chunk])
         self.optimizer = torch.optim.AdamW(
             self.sharded.params if self.sharded else self.params,
             lr=cfg.train.lr,
@@ -99,8 +125,17 @@ class TorchAdam:
             {p: 1.0 if p in split else 1.0 / tp_degree for p in self.params} if self.clip and tp_degree > 1 else None
         )
         self.scaler = loss_scaler(precision, device) if precision else None
-        # The scaler unscales every local gradient before the sum, not only the slices this rank's optimizer holds.
-        self._unscaled = torch.optim.SGD(self.params, lr=0.0) if self.scaler and self.sharded else self.optimizer
+        if self.scaler and self.grads.owned:
+            # Under ZeRO-2/3 gradients leave during the backward: each chunk is unscaled on its way out
+            # (``GradBuckets.scale``), and the scaler learns whether to back off from the step's vote, through a
+            # gradient it unscales that is non-finite exactly when some summed gradient is.
+            self._verdict = torch.zeros(1, device=device, requires_grad=True)
+            self._verdict.grad = torch.zeros(1, device=device)
+            self._unscaled = torch.optim.SGD([self._verdict], lr=0.0)
+            self.grads.scale = 1.0 / self.scaler.get_scale()
+        else:
+            # The scaler unscales every local gradient before the sum, not only the slices this rank's AdamW holds.
+            self._unscaled = torch.optim.SGD(self.params, lr=0.0) if self.scaler and self.sharded else self.optimizer
         self.device = device
 
     @property
@@ -110,22 +145,28 @@ class TorchAdam:
 
     def arm(self, passes: int = 1) -> None:
         """The next ``passes`` backward passes end the step: their gradients go on the wire as they are ready.
-        A rank with a loss scaler reduces after its unscale, in ``step``."""
+        A rank with a loss scaler reduces after its unscale, in ``step``; under ZeRO-2/3 every pass reduces."""
         if self.scaler is None:
             self.grads.arm(passes)
 
     def backward(self, loss: torch.Tensor) -> None:
+        """One backward pass; under ZeRO-2/3 it returns once its gradients have reached their owners."""
         (self.scaler.scale(loss) if self.scaler else loss).backward()
+        self.grads.end_pass()
+
+    def whole_weights(self) -> AbstractContextManager:
+        """Every parameter whole inside (under ZeRO-3 gathered, and released after; every rank must enter it
+        alike): for ``model.state_dict()`` and evaluation forwards."""
+        return self.sharded.whole() if self.zero_stage == 3 else nullcontext()
 
     def step(self, loss_sum: float, stop: bool) -> Synced:
         """Finish the gradient all-reduces, agree on loss, stop, finiteness and the gradient's norm, then clip
         and update."""
-        if self.scaler:
+        if self.scaler and not self.grads.owned:
             self.scaler.unscale_(self._unscaled)
         finite, launches = self.grads.finish()
         world = dist.get_world_size()
-        # Each bucket's ranks hold the same summed gradient: each adds its 1/size part of the squared norm.
-        squares = sum(self._squares(c) / c.size for c in self.grads.chunks) if self.clip else 0.0
+        squares = self._squares() if self.clip else 0.0
         votes = torch.tensor([loss_sum, float(stop), float(not finite), squares], device=self.device)
         voted = time.perf_counter()
         dist.all_reduce(votes)
@@ -137,13 +178,18 @@ class TorchAdam:
             norm = math.sqrt(float(votes[3]))
             if self.clip and norm > self.clip:
                 # clip_grad_norm_'s factor, on every rank alike.
-                for c in self.grads.chunks:
-                    c.flat.mul_(self.clip / (norm + 1e-6))
+                for g, _ in self.grads.summed():
+                    g.mul_(self.clip / (norm + 1e-6))
             self.optimizer.step()
-            if self.sharded:
+            if self.sharded and self.zero_stage < 3:
                 gathered = self._share_updates()
         if self.scaler:
+            if self.grads.owned:
+                self._verdict.grad.fill_(0.0 if votes[2] == 0 else math.inf)
+                self.scaler.unscale_(self._unscaled)
             self.scaler.update()
+            if self.grads.owned:
+                self.grads.scale = 1.0 / self.scaler.get_scale()
         self.grads.zero()
         return Synced(
             loss_total=float(votes[0]),
@@ -154,11 +200,16 @@ class TorchAdam:
             launches=tuple(launches),
         )
 
-    def _squares(self, chunk) -> float:
-        """This rank's part of the squared norm of a chunk's summed gradient."""
+    def _squares(self) -> float:
+        """This rank's part of the summed gradient's squared norm: of what it holds, its share among those that
+        hold the same (a tensor-parallel stage's members weighted per tensor)."""
         if self.norm_weight is None:
-            return float(chunk.flat.double().square().sum())
-        return sum(float(v.double().square().sum()) * self.norm_weight[p] for p, v in chunk.views.items())
+            return sum(float(g.double().square().sum()) / n for g, n in self.grads.summed())
+        return sum(
+            float(v.double().square().sum()) * self.norm_weight[p] / c.size
+            for c in self.grads.chunks
+            for p, v in c.views.items()
+        )
 
     def _share_updates(self) -> float:
         """Every owner's updated parameters to every rank, held to the link as an all-gather; bytes this rank sent
@@ -345,6 +396,10 @@ class DeepSpeedOnebit:
     def arm(self, passes: int = 1) -> None:
         """Nothing to start early: DeepSpeed reduces in its step, in its own buckets."""
 
+    def whole_weights(self) -> AbstractContextManager:
+        """Nothing to gather: without ZeRO every rank holds its parameters whole."""
+        return nullcontext()
+
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
 
@@ -478,11 +533,14 @@ def make_sync(
     link: EmulatedLink | None = None,
     shard_weights: Sequence[float] | None = None,
     tp_degree: int = 1,
+    zero_stage: int = 0,
+    layers: Sequence[torch.nn.Module] | None = None,
 ):
     """The synchroniser the config asks for; ``buckets`` when this rank holds part of the model; ``link``: the
     emulated link its messages are held to; ``shard_weights``: each rank's share of ZeRO's shards;
-    ``tp_degree``: the members of this rank's tensor-parallel stage."""
+    ``tp_degree``: the members of this rank's tensor-parallel stage; ``zero_stage``: the plan's; ``layers``:
+    the workload's, which ZeRO-2 and 3 cut and gather by."""
     if cfg.optimizer.name == "adam":
-        return TorchAdam(model, cfg, device, precision, buckets, link, shard_weights, tp_degree)
+        return TorchAdam(model, cfg, device, precision, buckets, link, shard_weights, tp_degree, zero_stage, layers)
     bucket = onebit_bucket(buckets, cfg.optimizer.name) if buckets is not None else None
     return DeepSpeedOnebit(model, cfg, device, bucket, link)

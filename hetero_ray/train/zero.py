@@ -1,12 +1,26 @@
-"""ZeRO stage 1 with uneven shards: each rank keeps AdamW's state for a contiguous range of the flattened
-parameters whose length is proportional to its weight (the memory it has to spare), not to its share of the
-batch, which stays proportional to its speed.
+"""ZeRO stages 1 to 3 with uneven shards: each rank owns a contiguous range of the flattened parameters whose
+length is proportional to its weight (the memory it has to spare), not to its share of the batch, which stays
+proportional to its speed. What a rank holds whole and what it holds for its range alone is
+``plan/data_parallel.py::zero_bytes``, the rule the planner sizes shards by.
 
 The flattened order is that of the gradient chunks (``buckets.GradBuckets``). Each chunk's parameters become
-views into one flat tensor beside the chunk's flat gradient, so a rank's piece of a chunk is one slice of
-each: an ``nn.Parameter`` sharing the parameters' storage, whose ``.grad`` is the slice of the summed
-gradient. AdamW is elementwise, so AdamW over the slices is AdamW over the parameters. After the update each
-owner broadcasts its slices; every rank then holds the whole updated model.
+views into one flat tensor, so a rank's piece of a chunk is one slice of it: an ``nn.Parameter`` whose
+``.grad`` is the piece of the summed gradient. AdamW is elementwise, so AdamW over the slices is AdamW over
+the parameters.
+
+- Stage 1: AdamW's state for the rank's slices alone. The whole gradient is all-reduced; the slices share the
+  parameters' storage and their ``.grad`` is the summed chunk's slice.
+- Stage 2: also the gradient. Each backward pass reduces every chunk to the owners of its slices as it fills
+  (``GradBuckets.reduce_to_owners``); the owner adds its piece into a gradient of its own that outlives the
+  passes, the chunk's ``.grad`` of the slice.
+- Stage 3: also the parameters. Chunks are cut at the workload's layers; a rank keeps its slices apart and
+  the flat parameters of a layer exist only while it is gathered: for its forward, and again from the moment
+  the gradient of its output arrives until its gradients have left (``gather_per_layer``). Freeing shrinks
+  the flat tensor's storage to nothing and gathering regrows the same storage, so the parameters' views and
+  autograd's saved references to them stay valid (FSDP1's trick).
+
+After the update each owner broadcasts its slices (stages 1 and 2) and every rank holds the whole updated
+model; under stage 3 the next gather takes the updated slices.
 
 Why not ZeRO as DeepSpeed and FSDP2 ship it: both cut the state into equal parts (DeepSpeed: ``numel /
 world`` per rank; FSDP2: dim-0 chunks of every parameter), so the smallest card sets the limit for all.
@@ -14,8 +28,11 @@ world`` per rank; FSDP2: dim-0 chunks of every parameter), so the smallest card 
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,19 +40,67 @@ import torch.distributed as dist
 from torch import nn
 
 from hetero_ray.cluster.catalog import Catalog
+from hetero_ray.config import ConfigError
 from hetero_ray.perf.footprint import Footprint
+from hetero_ray.plan.cost import ring_allreduce_bytes
 from hetero_ray.plan.data_parallel import zero_bytes
 from hetero_ray.plan.plan import WorkerRole
+from hetero_ray.train.buckets import Launch, free_storage
 
 
 def spare_memory(
-    roles: Sequence[WorkerRole | None], rank_types: Sequence[str], catalog: Catalog, footprint: Footprint
+    roles: Sequence[WorkerRole | None],
+    rank_types: Sequence[str],
+    catalog: Catalog,
+    footprint: Footprint,
+    zero_stage: int,
 ) -> list[float]:
-    """Each rank's weight for its shard of Adam's state: its memory beyond weights and gradients, the planner's
-    rule (``plan/data_parallel.py::sharded_state``); a rank with no room beyond them still gets a token weight."""
-    held = zero_bytes(footprint, 1)[0]
+    """Each rank's weight for its shard: its memory beyond what every rank holds whole at ``zero_stage``, the
+    planner's rule (``plan/data_parallel.py::sharded_state``); a rank with no room beyond it still gets a token
+    weight."""
+    held = zero_bytes(footprint, zero_stage)[0]
     memory = [r.memory_cap_bytes if r else catalog.get(t).memory_bytes for r, t in zip(roles, rank_types)]
     return [max(1.0, float(m - held)) for m in memory]
+
+
+def layer_units(
+    model: nn.Module, layers: Sequence[nn.Module] | None, zero_stage: int
+) -> list[list[nn.Parameter]] | None:
+    """The parameters of each layer, last layer first (the order the backward reaches them), for ZeRO-2 and 3
+    to cut gradient chunks at; ``None`` below stage 2 or, at stage 2, without layers (the model is one layer).
+    Parameters outside every layer form a last unit at stage 2; stage 3 refuses them, a model without layers
+    and a parameter in two layers (tied weights) with a one-line ``ConfigError``."""
+    if zero_stage < 2 or (not layers and zero_stage == 2):
+        return None
+    if not layers:
+        raise ConfigError(
+            "optimizer.zero_stage: 3 gathers parameters layer by layer and this workload has no layers "
+            "(Workload.layered); use optimizer.zero_stage: 2 or lower"
+        )
+    names: dict[nn.Parameter, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(p, name)
+    owner: dict[nn.Parameter, int] = {}
+    units: list[list[nn.Parameter]] = []
+    for i, layer in enumerate(layers):
+        unit = []
+        for p in layer.parameters():
+            if p in owner and zero_stage == 3:
+                raise ConfigError(
+                    f"optimizer.zero_stage: 3 gathers one layer at a time, but parameter {names.get(p)} sits in "
+                    f"layers {owner[p]} and {i} (tied weights); untie them or use optimizer.zero_stage: 2 or lower"
+                )
+            if p not in owner:
+                owner[p] = i
+                unit.append(p)
+        units.append(unit)
+    rest = [p for p in model.parameters() if p not in owner]
+    if rest and zero_stage == 3:
+        raise ConfigError(
+            f"optimizer.zero_stage: 3 gathers one layer at a time, but parameter {names.get(rest[0])} is in none "
+            "of the workload's layers; use optimizer.zero_stage: 2 or lower"
+        )
+    return [u for u in [*reversed(units), rest] if u]
 
 
 @dataclass(frozen=True)
@@ -63,6 +128,10 @@ class Shards:
         lo, hi = max(self.bounds[rank], start), min(self.bounds[rank + 1], start + length)
         return (lo - start, hi - start) if lo < hi else None
 
+    def pieces(self, start: int, length: int) -> list[tuple[int, int, int]]:
+        """``(rank, lo, hi)`` of every rank owning part of ``[start, start + length)``, in order of offsets."""
+        return [(r, *p) for r in range(self.world) if (p := self.piece(r, start, length))]
+
     @property
     def world(self) -> int:
         return len(self.bounds) - 1
@@ -78,19 +147,36 @@ class _Slice:
     hi: int
 
 
-class ShardedParameters:
-    """This rank's slices of every chunk (``params`` for its optimizer) and the broadcasts that share updates.
+def _resident(flat: torch.Tensor) -> bool:
+    return flat.untyped_storage().nbytes() > 0
 
-    ``chunks``: ``(params, flat gradient)`` pairs in the flattened order; the parameters are moved into one
-    flat tensor per chunk (their ``.data`` become views), so the slices share their storage.
+
+class ShardedParameters:
+    """This rank's slices of every chunk (``params`` for its optimizer), the broadcasts that share updates and,
+    under stage 3, the gathers of whole layers.
+
+    ``chunks``: ``(params, gradient)`` pairs in the flattened order. The gradient is the chunk's flat summed one
+    at stage 1, this rank's piece of it at stages 2 and 3 (``None`` where it owns none). The parameters are
+    moved into one flat tensor per chunk (their ``.data`` become views), so the slices share their storage
+    (stages 1 and 2). ``launches``: where stage 3's gathers are recorded, as the gradient buckets' reduces are.
     """
 
-    def __init__(self, chunks: Sequence[tuple[Sequence[nn.Parameter], torch.Tensor]], shards: Shards, rank: int):
+    def __init__(
+        self,
+        chunks: Sequence[tuple[Sequence[nn.Parameter], torch.Tensor | None]],
+        shards: Shards,
+        rank: int,
+        zero_stage: int = 1,
+        launches: list[Launch] | None = None,
+    ):
         self.shards, self.rank = shards, rank
+        self.launches = launches if launches is not None else []
         self.flats: list[torch.Tensor] = []
         self.layout: list[list[nn.Parameter]] = []
         self.slices: list[_Slice] = []
         self.params: list[nn.Parameter] = []
+        self.mine: dict[int, tuple[_Slice, nn.Parameter]] = {}  # chunk → this rank's slice of it
+        self.gathering = zero_stage == 3  # off while every layer is whole (``whole``)
         start = 0
         for c, (params, grad) in enumerate(chunks):
             flat = torch.cat([p.detach().reshape(-1) for p in params])
@@ -100,25 +186,85 @@ class ShardedParameters:
                 offset += p.numel()
             self.flats.append(flat)
             self.layout.append(list(params))
-            for r in range(shards.world):
-                piece = shards.piece(r, start, flat.numel())
-                if piece is None:
-                    continue
-                self.slices.append(_Slice(c, r, *piece))
+            for r, lo, hi in shards.pieces(start, flat.numel()):
+                piece = _Slice(c, r, lo, hi)
+                self.slices.append(piece)
                 if r == rank:
-                    mine = nn.Parameter(flat[piece[0] : piece[1]])
-                    mine.grad = grad[piece[0] : piece[1]]
+                    # Stage 3 keeps its slice apart: the flat tensor lives only while its layer is gathered.
+                    mine = nn.Parameter(flat[lo:hi].clone() if zero_stage == 3 else flat[lo:hi])
+                    mine.grad = grad[lo:hi] if zero_stage == 1 else grad
                     self.params.append(mine)
+                    self.mine[c] = (piece, mine)
             start += flat.numel()
+        if zero_stage == 3:
+            self.release(range(len(self.flats)))
 
     def share_updates(self, group: dist.ProcessGroup | None = None) -> None:
         """Every owner's updated slices to every rank (one broadcast per slice, all in flight together)."""
+        self._broadcast(self.slices, group)
+
+    def _broadcast(self, slices: Iterable[_Slice], group: dist.ProcessGroup | None = None) -> None:
         works = [
-            dist.broadcast(self.flats[s.chunk][s.lo : s.hi], src=s.rank, group=group, async_op=True)
-            for s in self.slices
+            dist.broadcast(self.flats[s.chunk][s.lo : s.hi], src=s.rank, group=group, async_op=True) for s in slices
         ]
         for work in works:
             work.wait()
+
+    def gather(self, chunks: Iterable[int]) -> None:
+        """Stage 3: the whole parameters of ``chunks`` from their owners' slices (one broadcast per slice, all in
+        flight together), recorded in ``launches`` as the ring all-gather it equals; chunks already whole stay.
+        Every rank must call it alike."""
+        start, missing = time.perf_counter(), {c for c in chunks if not _resident(self.flats[c])}
+        if not missing:
+            return
+        for c in missing:
+            flat = self.flats[c]
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            if c in self.mine:
+                piece, mine = self.mine[c]
+                flat[piece.lo : piece.hi].copy_(mine.detach())
+        self._broadcast(s for s in self.slices if s.chunk in missing)
+        world = self.shards.world
+        nbytes = sum(self.flats[c].numel() * self.flats[c].element_size() for c in missing)
+        self.launches.append(Launch(start, ring_allreduce_bytes(nbytes, world) / 2, world - 1))
+
+    def release(self, chunks: Iterable[int]) -> None:
+        """Stage 3: free the whole parameters of ``chunks`` (this rank's slices stay)."""
+        for c in chunks:
+            free_storage(self.flats[c])
+
+    def gather_per_layer(self, layers: Sequence[nn.Module], chunks_of: Sequence[Sequence[int]]) -> None:
+        """Stage 3: gather each layer's chunks (``chunks_of``, by layer) before its forward and release them after
+        it; gather them again when the gradient of its output arrives, i.e. before its backward. The backward's
+        release is chunk by chunk, once a chunk's gradients have all arrived (``GradBuckets.on_launch``): its
+        parameters are needed by nothing after that."""
+        for layer, chunks in zip(layers, chunks_of):
+            layer.register_forward_pre_hook(functools.partial(self._before_forward, tuple(chunks)))
+            layer.register_forward_hook(functools.partial(self._after_forward, tuple(chunks)))
+
+    def _before_forward(self, chunks: tuple[int, ...], _module: nn.Module, _args) -> None:
+        if self.gathering:
+            self.gather(chunks)
+
+    def _after_forward(self, chunks: tuple[int, ...], _module: nn.Module, _args, output) -> None:
+        if not self.gathering:
+            return
+        self.release(chunks)
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda _grad: self.gather(chunks))
+
+    @contextmanager
+    def whole(self) -> Iterator[None]:
+        """Stage 3: every parameter whole inside (a checkpoint's ``state_dict``, an evaluation), the per-layer
+        gathers off; released after. Every rank must enter it alike."""
+        everything = range(len(self.flats))
+        self.gather(everything)
+        self.gathering = False
+        try:
+            yield
+        finally:
+            self.gathering = True
+            self.release(everything)
 
     def whole_state(self, state: Sequence[dict], positions: Sequence[int]) -> list[tuple[int, dict]] | None:
         """AdamW's state of every parameter, keyed by position (``positions``: of each chunk parameter in the
