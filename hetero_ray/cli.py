@@ -44,6 +44,13 @@ def user_errors() -> tuple[type[Exception], ...]:
     return (ConfigError, CatalogError, UnknownGpuType, WorkloadError, PlanError, OutputError, PolicyError)
 
 
+def zero_stage(text: str) -> int | str:
+    """argparse type for ``--zero-stage``: 0-3 or auto."""
+    if text not in ("0", "1", "2", "3", "auto"):
+        raise argparse.ArgumentTypeError(f"unknown ZeRO stage {text!r}; use 0, 1, 2, 3 or auto")
+    return text if text == "auto" else int(text)
+
+
 def one_of(names: Sequence[str], what: str) -> Callable[[str], str]:
     """argparse type for an enumeration, with "did you mean" (argparse's own ``choices`` message lists only)."""
 
@@ -395,6 +402,7 @@ def _plan_request(args: argparse.Namespace):
         top=args.top,
         schedule=args.schedule,
         max_tp=args.max_tp,
+        zero_stage=args.zero_stage,
     )
 
 
@@ -532,6 +540,7 @@ PLAN_OPTIONS = (
     "efficiency",
     "max_stages",
     "max_tp",
+    "zero_stage",
     "schedule",
     "top",
     "gpus",
@@ -548,6 +557,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-stages", type=int, default=8, help="most pipeline stages per pipeline (default 8)")
     p.add_argument("--max-tp", type=int, default=1,
                    help="largest tensor-parallel degree tried, a power of two (default 1: none)")  # fmt: skip
+    p.add_argument("--zero-stage", default=0, type=zero_stage,
+                   help="ZeRO stage of data parallelism sharded by memory: 0-3, or auto (the fastest, pipelines "
+                   "too); default 0")  # fmt: skip
     p.add_argument("--schedule", default="1f1b", type=one_of(SCHEDULES, "schedule"), choices=SCHEDULES,
                    help="pipeline schedule (default 1f1b)")  # fmt: skip
     p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")

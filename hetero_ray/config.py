@@ -244,12 +244,11 @@ class OptimizerConfig(_Strict):
     var_update_scaler: int = Field(16, ge=1, description="zero_one_adam: variance update interval growth.")
     local_step_scaler: int = Field(32678, ge=1, description="zero_one_adam: local-step interval growth.")
     local_step_clipper: int = Field(16, ge=1, description="zero_one_adam: largest local-step interval.")
-    zero_stage: int = Field(
+    zero_stage: Literal[0, 1, 2, 3, "auto"] = Field(
         0,
-        ge=0,
-        le=3,
         description="ZeRO stage: 1 shards Adam's state across the data-parallel devices in proportion to the "
-        "memory each has to spare; 1-bit optimizers and pipelined plans need 0.",
+        "memory each has to spare, 2 also the gradients, 3 also the weights; 'auto': the planner picks the "
+        "stage whose step it predicts fastest. 1-bit optimizers and pipelined plans need 0.",
     )
     deepspeed: dict[str, Any] = Field(
         default_factory=dict,
@@ -259,12 +258,10 @@ class OptimizerConfig(_Strict):
 
     @model_validator(mode="after")
     def _fits_the_optimizer(self) -> OptimizerConfig:
-        if self.zero_stage > 0 and self.name in ONEBIT_OPTIMIZERS:
+        if self.zero_stage != 0 and self.name in ONEBIT_OPTIMIZERS:
             raise ValueError(
                 f"{self.name} is not compatible with ZeRO (stage {self.zero_stage}); set optimizer.zero_stage: 0"
             )
-        if self.zero_stage > 1:
-            raise ValueError(f"ZeRO stage {self.zero_stage} is not supported yet; set optimizer.zero_stage: 0 or 1")
         if self.deepspeed and self.name not in ONEBIT_OPTIMIZERS:
             raise ValueError(
                 f"deepspeed: {self.name} runs on hetero-ray's own engine, not DeepSpeed; the DeepSpeed config "
@@ -404,7 +401,7 @@ class RunConfig(_Strict):
             f"optimizer {self.optimizer.name}"
             if self.optimizer.name in ONEBIT_OPTIMIZERS
             else f"optimizer.zero_stage {self.optimizer.zero_stage}"
-            if self.optimizer.zero_stage
+            if self.optimizer.zero_stage not in (0, "auto")
             else f"train.split {train.split!r}"
             if train.split != "proportional"
             else None

@@ -395,9 +395,9 @@ CASES = [
     Case("onebit-with-zero", TRAIN, "`optimizer: {name: onebit_adam, zero_stage: 2}`",
          cli(train(lambda d: config(d, optimizer={"name": "onebit_adam", "zero_stage": 2}))),
          rf"{CFG}: optimizer: onebit_adam is not compatible with ZeRO \(stage 2\); set optimizer\.zero_stage: 0"),
-    Case("zero-stage-not-yet", TRAIN, "`optimizer: {zero_stage: 2}`",
-         cli(train(lambda d: config(d, optimizer={"zero_stage": 2}))),
-         rf"{CFG}: optimizer: ZeRO stage 2 is not supported yet; set optimizer\.zero_stage: 0 or 1"),
+    Case("zero-stage-unknown", TRAIN, "`optimizer: {zero_stage: 4}`",
+         cli(train(lambda d: config(d, optimizer={"zero_stage": 4}))),
+         rf"{CFG}: optimizer\.zero_stage: Input should be 0, 1, 2, 3 or 'auto'"),
     Case("warmup-as-long-as-the-run", TRAIN, "`train: {steps: 2, lr_schedule: {warmup_steps: 2}}`",
          cli(train(lambda d: config(d, train__lr_schedule={"warmup_steps": 2}))),
          rf"{CFG}: train\.lr_schedule\.warmup_steps: 2 is not below train\.steps 2, so the rate would never "
@@ -468,6 +468,11 @@ CASES = [
          r"parallelism only; use max_tensor_parallel: 1 with it$"),
     Case("plan-cmd-max-tp", "hetero-ray plan", "`--max-tp 3`",
          cli(lambda d: ["plan", "--max-tp", "3"]), r"--max-tp: must be a power of two >= 1, e.g. 1, 2, 4, 8 \(got 3\)$"),
+    Case("plan-cmd-zero-stage", "hetero-ray plan", "`--zero-stage 4`",
+         cli(lambda d: ["plan", "--zero-stage", "4"]), r"--zero-stage: unknown ZeRO stage '4'; use 0, 1, 2, 3 or auto$"),
+    Case("plan-cmd-zero-with-onebit", "hetero-ray plan", "`--zero-stage 1 --optimizer onebit_adam`",
+         cli(lambda d: ["plan", "--zero-stage", "1", "--optimizer", "onebit_adam"]),
+         r"--zero-stage: onebit_adam is not compatible with ZeRO; use --zero-stage 0$"),
     # A key given twice, in every file hetero-ray reads (YAML would keep the last one silently).
     Case("duplicate-device", TRAIN, "`devices:` listing `A100-80GB` twice",
          cli(train(lambda d: config(d).replace("  V100-16GB: 1\n", "  V100-16GB: 1\n  A100-80GB: 2\n", 1))),
@@ -542,8 +547,8 @@ CASES = [
     # hetero-ray train --plan (a Plan JSON checked against the config).
     Case("train-plan-pipelined-with-zero", TRAIN, "`--plan` with pipeline stages and `optimizer: {zero_stage: 1}`",
          cli(train_plan(lambda: {**two_stage_plan(), "zero_stage": 1}, optimizer={"zero_stage": 1})),
-         r"{dir}/plan\.json: the plan has pipeline stages, which optimizer\.zero_stage 1 does not shard yet; use a "
-         r"data-parallel plan or optimizer\.zero_stage: 0"),
+         r"{dir}/plan\.json: the plan has pipeline stages, which ZeRO stage 1 does not shard yet; use a "
+         r"data-parallel plan or zero_stage: 0"),
     Case("train-plan-zero-stage-differs", TRAIN, "`--plan` made without ZeRO, `optimizer: {zero_stage: 1}`",
          cli(train_plan(two_device_plan, optimizer={"zero_stage": 1})),
          r"{dir}/plan\.json: the plan is for ZeRO stage 0, the config's optimizer\.zero_stage is 1; plan with the "

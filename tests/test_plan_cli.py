@@ -190,3 +190,44 @@ def test_a_run_config_lets_the_planner_split_a_block_no_v100_holds(tmp_path: Pat
     assert all(r.predicted_memory_bytes <= r.memory_cap_bytes for r in plan.roles)
     assert f"tensor-parallel degree {plan.tensor_parallel}" in plan.explanation
     assert "none fits at degree 1" in plan.explanation
+
+
+def test_a_run_config_shards_by_memory_at_the_zero_stage_it_names_or_the_fastest(tmp_path: Path, capsys):
+    """A GPT of 1.6 G parameters, whose 26 GB of state only the A100s hold whole: `optimizer.zero_stage: 3`
+    trains it on all six cards, each within its memory; `auto` weighs every stage and says so."""
+    import yaml
+
+    def plan_for(stage) -> Plan:
+        run = tmp_path / f"run-{stage}.yaml"
+        config = {
+            "devices": {"A100-80GB": 2, "V100-16GB": 4},
+            "workload": {"name": "gpt", "options": {"n_layer": 8, "n_head": 32, "n_embd": 4096, "block_size": 256}},
+            "train": {"global_batch": 24},
+            "optimizer": {"zero_stage": stage},
+            "link": {"bandwidth_gbps": 100},
+            "run": {"name": "plan-test", "storage_path": str(tmp_path / "runs")},
+        }
+        run.write_text(yaml.safe_dump(config))
+        assert main(["plan", "--config", str(run), "--output", str(tmp_path / f"plan-{stage}.json"), "--json"]) == 0
+        return Plan.from_dict(json.loads(capsys.readouterr().out)["plans"][0])
+
+    three = plan_for(3)
+    assert three.zero_stage == 3 and len(three.roles) == 6 and "ZeRO-3:" in three.explanation
+    assert all(r.predicted_memory_bytes <= r.memory_cap_bytes for r in three.roles)
+    auto = plan_for("auto")
+    assert f"ZeRO stage {auto.zero_stage} (" in auto.explanation
+    assert all(f"at ZeRO-{s}" in auto.explanation for s in range(4) if s != auto.zero_stage)
+
+
+def test_a_cluster_file_plans_data_parallelism_sharded_at_the_zero_stage_asked(cluster: Path, tmp_path: Path, capsys):
+    """`--zero-stage 3` plans data parallelism over every device of the file, sharded by memory; `auto` ranks
+    every stage's plan beside the placement search's and says which stage won against the others."""
+    argv = ["plan", "--cluster", str(cluster), "--model-options", TINY, "--global-batch", "48", "--json"]
+    assert main([*argv, "--zero-stage", "3", "--output", str(tmp_path / "three.json")]) == 0
+    (three,) = [Plan.from_dict(p) for p in json.loads(capsys.readouterr().out)["plans"]]
+    assert three.zero_stage == 3 and len(three.roles) == 6 and not three.is_pipelined
+    assert main([*argv, "--zero-stage", "auto", "--output", str(tmp_path / "auto.json"), "--top", "8"]) == 0
+    plans = [Plan.from_dict(p) for p in json.loads(capsys.readouterr().out)["plans"]]
+    assert f"ZeRO stage {plans[0].zero_stage} (" in plans[0].explanation
+    assert all(f"at ZeRO-{s}" in plans[0].explanation for s in range(4) if s != plans[0].zero_stage)
+    assert [p.predicted_step_s for p in plans[1:]] == sorted(p.predicted_step_s for p in plans[1:])

@@ -197,25 +197,27 @@ def test_devices_the_plan_leaves_out_are_not_reserved(cluster, tmp_path):
     assert max_abs_diff(final_params(result), single_process_reference()) <= 1e-5
 
 
-def test_zero_stage_1_trains_on_cards_too_small_for_the_whole_state_like_one_process(cluster, tmp_path):
+def test_zero_stage_3_trains_on_cards_too_small_for_the_whole_state_like_one_process(cluster, tmp_path):
     """With 2 MiB A100s and 0.8 MiB V100s (tests/data/small-memory-gpus.yaml) plain data parallelism leaves
-    the V100s out. ZeRO-1 shards Adam's state by spare memory: all four train at 2 : 1 under their emulated
-    memory caps (each charged its own shard), the run ends where one process ends (1e-5), and its
-    checkpoint holds the whole optimizer state, gathered from the shards."""
-    cfg = run_config(tmp_path / "runs", "zero-1") | {"gpus_file": str(SMALL_MEMORY)}
+    the V100s out. ZeRO-3 shards weights, gradients and Adam's state by spare memory: all four train at 2 : 1
+    under their emulated memory caps (each charged what it holds whole and its own shard), the run ends where
+    one process ends (1e-5), and its checkpoint holds the whole optimizer state, gathered from the shards."""
+    cfg = run_config(tmp_path / "runs", "zero-3") | {"gpus_file": str(SMALL_MEMORY)}
     plain = prepare(parse_config(cfg)).plan
     assert {r.gpu_type for r in plain.roles} == {"A100-80GB"} and plain.excluded[0].gpu_type == "V100-16GB"
-    cfg["optimizer"] = {"zero_stage": 1}
+    cfg["optimizer"] = {"zero_stage": 3}
     assert all(r.predicted_memory_bytes <= r.memory_cap_bytes for r in prepare(parse_config(cfg)).plan.roles)
     job_id, out = submit(cluster, tmp_path, cfg)
     assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
     result = json.loads(out.read_text())
-    assert sorted((d["gpu_type"], d["local_batch"]) for d in result["metrics"]["devices"]) == [
+    devices = result["metrics"]["devices"]
+    assert sorted((d["gpu_type"], d["local_batch"]) for d in devices) == [
         ("A100-80GB", 4),
         ("A100-80GB", 4),
         ("V100-16GB", 2),
         ("V100-16GB", 2),
     ]
+    assert all(0 < d["peak_memory_bytes"] <= d["memory_cap_bytes"] for d in devices)
     assert max_abs_diff(final_params(result), single_process_reference()) <= 1e-5
     optimizer_state = torch.load(Path(result["checkpoint_path"]) / "optimizer.pt")
     params = final_params(result)

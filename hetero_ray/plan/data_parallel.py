@@ -16,6 +16,7 @@ from hetero_ray.perf.footprint import Footprint
 from hetero_ray.plan.cost import WIRE_BYTES, activation_scale, allreduce_seconds, compute_seconds, max_micro_batch
 from hetero_ray.plan.memory import ADAM_STATE_BYTES, WEIGHT_AND_GRAD_BYTES
 from hetero_ray.plan.plan import Exclusion, Infeasible, Plan, WorkerRole
+from hetero_ray.plan.stages import SecondsPerSample, measured_seconds
 from hetero_ray.train.precision import choose_precision
 
 GiB = 2**30
@@ -75,6 +76,7 @@ def plan_data_parallel(
     compressed: bool = False,
     reduce_dtype: str = "fp32",
     zero_stage: int = 0,
+    seconds_per_sample: SecondsPerSample | None = None,
 ) -> Plan | Infeasible:
     """Plan weighted data parallelism over workers of the given GPU types.
 
@@ -83,7 +85,9 @@ def plan_data_parallel(
     the reason, and if every type is excluded the result is ``Infeasible``.
     With a ``link`` (bandwidth bytes/s, latency s), the gradient all-reduce is
     priced on it: a ring of ``reduce_dtype`` gradients, and 1-bit compressed when ``compressed``.
-    ``zero_stage`` 1 shards Adam's state (``sharded_state``), and its parameter all-gather is priced too.
+    ``zero_stage`` 1-3 shards state by memory (``sharded_state``), its collectives priced per pass
+    (``zero_comm_seconds``). ``seconds_per_sample`` (a profile's) overrides a type's FLOPs-based speed where it
+    answers.
     """
     specs = [catalog.get(t) for t in rank_types]
     precisions = [choose_precision(s, precision) for s in specs]
@@ -104,7 +108,11 @@ def plan_data_parallel(
             f"model needs {need / GiB:.1f} GiB per device at micro-batch 1; largest device "
             f"({specs[worst].name}) has {specs[worst].memory_gib:g} GiB; use a smaller model or more memory"
         )
-    per_sample = [compute_seconds(specs[i], precisions[i], footprint.flops_per_sample, efficiency) for i in usable]
+    per_sample = [
+        measured_seconds(seconds_per_sample, specs[i].name, precisions[i])
+        or compute_seconds(specs[i], precisions[i], footprint.flops_per_sample, efficiency)
+        for i in usable
+    ]
     caps = [min(fits[i], max_micro or fits[i]) for i in usable]
     world = len(rank_types)
     numels = footprint.param_numels or (footprint.param_count,)
@@ -294,7 +302,7 @@ def _exclusions(specs, precisions, fits, footprint: Footprint, zero_stage: int) 
             if zero_stage:
                 need = (held + footprint.activation_bytes_per_sample * activation_scale(prec)) / GiB
                 reason = (
-                    f"ZeRO-{zero_stage}: what every device holds whole and one sample ({need:.1f} GiB) leave too "
+                    f"ZeRO-{zero_stage}: what every device holds whole and one sample ({need:.3g} GiB) leave too "
                     f"little of its {spec.memory_gib:g} GiB for a shard"
                 )
             else:

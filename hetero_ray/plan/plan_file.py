@@ -79,7 +79,7 @@ class _Plan(_Strict):
     predicted_comm_s: float = Field(0.0, ge=0)
     predicted_comm_fp32_s: float = Field(0.0, ge=0)
     schedule: str = "gpipe"
-    zero_stage: int = Field(0, ge=0, le=1)
+    zero_stage: int = Field(0, ge=0, le=3)
     workload: _Workload | None = None
     explanation: str = ""
     schema_: Literal[2] = Field(SCHEMA, alias="schema")

@@ -19,6 +19,7 @@ from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.config import OPTIMIZERS, ConfigError
 from hetero_ray.output import check_output, write_json
 from hetero_ray.perf.footprint import Footprint, measure_footprint
+from hetero_ray.plan.data_parallel import fastest_zero_stage, plan_data_parallel
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
 from hetero_ray.plan.search import plan, powers_of_two
 from hetero_ray.plan.topology import Topology, uniform_topology
@@ -41,6 +42,7 @@ class Request:
     top: int
     schedule: str
     max_tp: int = 1
+    zero_stage: int | str = 0
 
 
 def parse_model_options(text: str | None) -> dict:
@@ -60,6 +62,9 @@ def parse_model_options(text: str | None) -> dict:
     return options
 
 
+ZERO_STAGES = (0, 1, 2, 3, "auto")
+
+
 def check_request(req: Request) -> None:
     if req.global_batch < 1:
         raise ConfigError(f"--global-batch: must be >= 1 (got {req.global_batch})")
@@ -74,6 +79,10 @@ def check_request(req: Request) -> None:
         raise ConfigError(f"--max-stages and --top: must be >= 1 (got {req.max_stages}, {req.top})")
     if req.max_tp < 1 or req.max_tp & (req.max_tp - 1):
         raise ConfigError(f"--max-tp: must be a power of two >= 1, e.g. 1, 2, 4, 8 (got {req.max_tp})")
+    if req.zero_stage not in ZERO_STAGES:
+        raise ConfigError(f"--zero-stage: must be one of {', '.join(map(str, ZERO_STAGES))} (got {req.zero_stage!r})")
+    if req.zero_stage != 0 and req.optimizer != "adam":
+        raise ConfigError(f"--zero-stage: {req.optimizer} is not compatible with ZeRO; use --zero-stage 0")
 
 
 def footprint_of(req: Request) -> Footprint:
@@ -107,24 +116,54 @@ def parse_devices(text: str, catalog: Catalog) -> dict[str, int]:
 def search(
     devices: dict[str, int], catalog: Catalog, footprint: Footprint, topology: Topology, req: Request
 ) -> list[Plan]:
-    """The ranked plans, or PlanError with the planner's one-line reason."""
+    """The ranked plans, or PlanError with the planner's one-line reason. A ZeRO stage plans data parallelism
+    sharded by memory, its collectives at the slowest NIC's speed; ``auto`` ranks the placement search's plans
+    with data parallelism at every stage."""
     rank_types = [t for t, n in devices.items() for _ in range(n)]
-    try:
-        result = plan(
+    stages = (1, 2, 3) if req.zero_stage == "auto" else (req.zero_stage,) if req.zero_stage else ()
+    sharded = {
+        s: plan_data_parallel(
             rank_types,
             catalog,
             footprint,
             global_batch=req.global_batch,
-            topology=topology,
-            optimizer=req.optimizer,
             efficiency=req.efficiency,
-            schedule=req.schedule,
-            max_stages=req.max_stages,
-            tensor_parallel=powers_of_two(req.max_tp),
-            top_k=req.top,
+            link=topology.inter(set(rank_types)),
+            zero_stage=s,
         )
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        for s in stages
+    }
+    result: list[Plan] | Infeasible = []
+    if req.zero_stage in (0, "auto"):
+        try:
+            result = plan(
+                rank_types,
+                catalog,
+                footprint,
+                global_batch=req.global_batch,
+                topology=topology,
+                optimizer=req.optimizer,
+                efficiency=req.efficiency,
+                schedule=req.schedule,
+                max_stages=req.max_stages,
+                tensor_parallel=powers_of_two(req.max_tp),
+                top_k=req.top,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if sharded:
+        searched = result if isinstance(result, list) else []
+        best = fastest_zero_stage(
+            {**({0: searched[0] if searched else result} if req.zero_stage == "auto" else {}), **sharded}
+        )
+        if isinstance(best, Infeasible):
+            raise PlanError(best.reason)
+        # After the chosen plan, the search's others and the other stages', fastest first.
+        rest = [
+            *searched[1 if best.zero_stage == 0 else 0 :],
+            *(p for k, p in sharded.items() if isinstance(p, Plan) and k != best.zero_stage),
+        ]
+        result = [best, *sorted(rest, key=lambda p: p.predicted_step_s)][: req.top]
     if isinstance(result, Infeasible):
         raise PlanError(result.reason)
     return result
@@ -142,7 +181,8 @@ def describe(p: Plan) -> str:
         runs = [f"{len(list(g))}×{t}" for t, g in itertools.groupby(stages)]
         parts.append(f"{n} × DP {stages[0]}" if len(stages) == 1 else f"{n} × [{' → '.join(runs)}]")
     tp = f" (tensor parallel ×{p.tensor_parallel})" if p.tensor_parallel > 1 else ""
-    return ", ".join(parts) + tp
+    zero = f" (ZeRO-{p.zero_stage})" if p.zero_stage else ""
+    return ", ".join(parts) + tp + zero
 
 
 def plans_table(plans: list[Plan], title: str) -> Table:

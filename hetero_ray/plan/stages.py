@@ -104,6 +104,14 @@ class TypeTable:
     max_act: np.ndarray  # max_act[i, j]: largest layer activation in [i, j)
 
 
+def measured_seconds(seconds_per_sample: SecondsPerSample | None, gpu_type: str, precision: str) -> float | None:
+    """A data-parallel worker's measured seconds per sample of the whole model, where ``seconds_per_sample``
+    answers for the type."""
+    if callable(seconds_per_sample):
+        return seconds_per_sample(gpu_type, precision, None)
+    return seconds_per_sample.get(gpu_type) if seconds_per_sample is not None else None
+
+
 def type_table(
     gpu_type: str,
     catalog: Catalog,
@@ -133,15 +141,11 @@ def type_table(
                 tp_per_micro[k] = tp_allreduce_seconds(0.0, 0, tp_degree, tp_link)
                 tp_per_share[k] = tp_allreduce_seconds(out, 1, tp_degree, tp_link, batches=1 / dp_share)
         layers = tuple(c.shard(tp_degree) for c in layers)
-    measured, per_sample_at, fixed_s = None, None, 0.0
-    if callable(seconds_per_sample):
-        measured = seconds_per_sample(gpu_type, prec, None)
-        if measured:
-            per_sample_at = functools.partial(seconds_per_sample, gpu_type, prec)
-            if isinstance(seconds_per_sample, MeasuredSpeeds):
-                fixed_s = seconds_per_sample.fixed_seconds(gpu_type, prec)
-    elif seconds_per_sample is not None:
-        measured = seconds_per_sample.get(gpu_type)
+    measured, per_sample_at, fixed_s = measured_seconds(seconds_per_sample, gpu_type, prec), None, 0.0
+    if measured and callable(seconds_per_sample):
+        per_sample_at = functools.partial(seconds_per_sample, gpu_type, prec)
+        if isinstance(seconds_per_sample, MeasuredSpeeds):
+            fixed_s = seconds_per_sample.fixed_seconds(gpu_type, prec)
     spf = measured / total_flops if measured else 1.0 / (spec.peak_flops(prec) * efficiency)
     act = np.array([c.activation_bytes_per_sample for c in layers], dtype=float)
     out = np.array([c.output_bytes_per_sample for c in layers], dtype=float)

@@ -21,7 +21,7 @@ from hetero_ray.perf.history import load as load_history
 from hetero_ray.perf.history import options_hash
 from hetero_ray.perf.model import fit_perf_model
 from hetero_ray.plan import search
-from hetero_ray.plan.data_parallel import plan_data_parallel
+from hetero_ray.plan.data_parallel import fastest_zero_stage, plan_data_parallel
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
 from hetero_ray.plan.plan_file import load_plan
 from hetero_ray.plan.stages import MeasuredSpeeds
@@ -135,10 +135,34 @@ def plan_for(
     A proportional split goes to the placement planner, which weighs pipelines
     against data parallelism; an equal or explicit split is data parallelism with
     that split, as asked. Runs that cannot be pipelined yet stay data-parallel
-    (``data_parallel_only``).
+    (``data_parallel_only``). A ZeRO stage shards data parallelism's state; ``zero_stage: auto`` takes the
+    fastest predicted step of the unsharded plan and data parallelism at stages 1–3.
     """
-    # ZeRO's memory is the data-parallel planner's alone (the placement search does not shard state yet).
-    if cfg.train.split == "proportional" and footprint.layers and not cfg.optimizer.zero_stage:
+    stage = cfg.optimizer.zero_stage
+    link = cfg.link
+
+    def data_parallel(zero_stage: int) -> Plan | Infeasible:
+        return plan_data_parallel(
+            types,
+            catalog,
+            footprint,
+            global_batch=cfg.train.global_batch,
+            split=cfg.train.split,
+            precision=cfg.train.precision,
+            efficiency=efficiency,
+            max_micro=cfg.train.max_micro_batch,
+            emulated=emulated,
+            link=(link.bandwidth_bytes_s, link.latency_s) if link else None,
+            compressed=cfg.optimizer.name in ONEBIT_OPTIMIZERS,
+            reduce_dtype=cfg.train.reduce_dtype,
+            zero_stage=zero_stage,
+            seconds_per_sample=profiled_speeds(cfg, catalog),
+        )
+
+    def unsharded() -> Plan | Infeasible:
+        # ZeRO shards data parallelism's state only: the placement search's plans hold theirs whole.
+        if cfg.train.split != "proportional" or not footprint.layers:
+            return data_parallel(0)
         plans = search.plan(
             types,
             catalog,
@@ -155,25 +179,12 @@ def plan_for(
             top_k=1,
             **({"max_stages": 1} if data_parallel_only(cfg, footprint) else {}),
         )
-        if isinstance(plans, Infeasible):
-            raise PlanError(plans.reason)
-        return check_plan(plans[0], footprint, cfg)
-    link = cfg.link
-    plan = plan_data_parallel(
-        types,
-        catalog,
-        footprint,
-        global_batch=cfg.train.global_batch,
-        split=cfg.train.split,
-        precision=cfg.train.precision,
-        efficiency=efficiency,
-        max_micro=cfg.train.max_micro_batch,
-        emulated=emulated,
-        link=(link.bandwidth_bytes_s, link.latency_s) if link else None,
-        compressed=cfg.optimizer.name in ONEBIT_OPTIMIZERS,
-        reduce_dtype=cfg.train.reduce_dtype,
-        zero_stage=cfg.optimizer.zero_stage,
-    )
+        return plans if isinstance(plans, Infeasible) else plans[0]
+
+    if stage == "auto":
+        plan = fastest_zero_stage({0: unsharded(), **{k: data_parallel(k) for k in (1, 2, 3)}})
+    else:
+        plan = data_parallel(stage) if stage else unsharded()
     if isinstance(plan, Infeasible):
         raise PlanError(plan.reason)
     return check_plan(plan, footprint, cfg)
@@ -182,7 +193,7 @@ def plan_for(
 def data_parallel_only(cfg: RunConfig, footprint: Footprint) -> bool:
     """Whether the run cannot be pipelined yet: 1-bit optimizers, ZeRO and batch statistics run on data
     parallelism only."""
-    return cfg.optimizer.name in ONEBIT_OPTIMIZERS or cfg.optimizer.zero_stage > 0 or bool(footprint.batch_coupled)
+    return cfg.optimizer.name in ONEBIT_OPTIMIZERS or bool(footprint.batch_coupled)
 
 
 def check_held_out(cfg: RunConfig, footprint: Footprint) -> None:
@@ -267,15 +278,15 @@ def given_plan(path: str, cfg: RunConfig, catalog: Catalog, footprint: Footprint
         raise PlanError(
             f"{path}: the plan has pipeline stages but workload {cfg.workload.name!r} cannot be cut into layers"
         )
-    if plan.zero_stage != cfg.optimizer.zero_stage:
+    if cfg.optimizer.zero_stage != "auto" and plan.zero_stage != cfg.optimizer.zero_stage:
         raise PlanError(
             f"{path}: the plan is for ZeRO stage {plan.zero_stage}, the config's optimizer.zero_stage is "
             f"{cfg.optimizer.zero_stage}; plan with the config (hetero-ray plan) or set the same stage"
         )
-    if plan.is_pipelined and cfg.optimizer.zero_stage:
+    if plan.is_pipelined and plan.zero_stage:
         raise PlanError(
-            f"{path}: the plan has pipeline stages, which optimizer.zero_stage {cfg.optimizer.zero_stage} does not "
-            "shard yet; use a data-parallel plan or optimizer.zero_stage: 0"
+            f"{path}: the plan has pipeline stages, which ZeRO stage {plan.zero_stage} does not shard yet; use a "
+            "data-parallel plan or zero_stage: 0"
         )
     return check_plan(plan, footprint, cfg)
 
