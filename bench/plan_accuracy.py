@@ -24,6 +24,8 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 from hetero_ray.cluster.emulation import EmulatedCluster
@@ -132,6 +134,27 @@ def role_record(r) -> dict:
         "micro_batch": r.micro_batch,
         "predicted_compute_s": r.predicted_compute_s,
     }
+
+
+@contextmanager
+def profiled_cluster(steps: int) -> Iterator[RunConfig]:
+    """The throttled cluster up, Ray connected, every device profiled: the run config with its profile, for the
+    benches that measure plans on this cluster. Ray is shut down after."""
+    from rich.console import Console
+
+    cluster = EmulatedCluster(DEVICES, gpus_per_node=2, cpu_share=CPU_SHARE)
+    # Ray reads its authentication mode once, at import: the token must be set before `import ray`.
+    os.environ.update(cluster.env)
+    import ray
+
+    from hetero_ray.perf.remote import profile_run
+
+    with cluster, tempfile.TemporaryDirectory() as tmp:
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            yield profile_run(config(steps, "throttled"), f"{tmp}/profile.parquet", Console(stderr=True))
+        finally:
+            ray.shutdown()
 
 
 def measure(steps: int = 16, mode: str = "throttled") -> list[dict]:

@@ -41,27 +41,33 @@ def footprint(width: int):
     return measure_footprint(lambda: build_workload("gpt", options))
 
 
-def largest(fits: Callable[[object], bool], low: int = 1, high: int = 160) -> int:
-    """The largest width (in units of ``HEAD``) whose footprint ``fits``, by bisection (fitting is monotone in
-    the width); ``low`` must fit."""
-    assert fits(footprint(low * HEAD)), "the smallest GPT of the family does not fit"
+def largest_by(fits: Callable[[int], bool], low: int, high: int) -> int:
+    """The largest ``n`` in ``[low, high)`` that ``fits``, by bisection (fitting is monotone); ``low`` must fit."""
+    assert fits(low), f"{low} does not fit"
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (mid, high) if fits(footprint(mid * HEAD)) else (low, mid)
-    return low * HEAD
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def largest(fits: Callable[[object], bool]) -> int:
+    """The largest width of the GPT family whose footprint ``fits``."""
+    return HEAD * largest_by(lambda units: fits(footprint(units * HEAD)), 1, 160)
 
 
 def ranks(devices: dict[str, int]) -> list[str]:
     return [t for t, n in devices.items() for _ in range(n)]
 
 
-def trains_on_all(stage: int, devices: dict[str, int], catalog) -> Callable[[object], bool]:
+def trains_on_all(stage: int, devices: dict[str, int], catalog, precision: str = "auto") -> Callable[[object], bool]:
     """Whether data parallelism at ZeRO ``stage`` (memory-proportional shards) trains on every device."""
     from hetero_ray.plan.data_parallel import plan_data_parallel
     from hetero_ray.plan.plan import Plan
 
     def fits(fp) -> bool:
-        plan = plan_data_parallel(ranks(devices), catalog, fp, global_batch=GLOBAL_BATCH, zero_stage=stage)
+        plan = plan_data_parallel(
+            ranks(devices), catalog, fp, global_batch=GLOBAL_BATCH, precision=precision, zero_stage=stage
+        )
         return isinstance(plan, Plan) and not plan.excluded
 
     return fits
@@ -173,14 +179,178 @@ def three_types(catalog, width: int) -> dict:
     }
 
 
+# The confirmation's scale: every card's memory ÷ this (80 GiB → 20 MiB), so the largest GPT the rule admits is
+# one this CPU trains. A small GPT family: 12 layers, 16 tokens, 2 heads, width in steps of 8.
+MEMORY_SCALE = 4096
+SMALL = {"n_layer": 12, "n_head": 2, "block_size": 16, "corpus_bytes": 50_000}
+
+
+def scaled_catalog(path: str):
+    """Write the packaged catalog's ``MIX`` types with memory ÷ ``MEMORY_SCALE`` to ``path``; the catalog."""
+    from importlib.resources import files
+
+    import yaml
+
+    from hetero_ray.cluster.catalog import load_catalog
+
+    packaged = yaml.safe_load(files("hetero_ray.cluster").joinpath("gpus.yaml").read_text())["gpus"]
+    scaled = {t: {**packaged[t], "memory_gib": packaged[t]["memory_gib"] / MEMORY_SCALE} for t in MIX}
+    with open(path, "w") as f:
+        yaml.safe_dump({"gpus": scaled}, f)
+    return load_catalog(path)
+
+
+def small_footprint(width: int):
+    from hetero_ray.perf.footprint import measure_footprint
+    from hetero_ray.workloads import build_workload
+
+    return measure_footprint(lambda: build_workload("gpt", {**SMALL, "n_embd": width}))
+
+
+def largest_small(stage: int, catalog) -> int:
+    """The widest GPT of the small family that trains on all of ``MIX`` at ZeRO ``stage``, in fp32 as the
+    emulated cards compute."""
+    fits = trains_on_all(stage, MIX, catalog, "fp32")
+    return 8 * largest_by(lambda w: fits(small_footprint(8 * w)), 1, 256)
+
+
+def run_config(name: str, width: int, gpus_file: str, stage: int, steps: int, tmp: str):
+    from hetero_ray.config import parse_config
+
+    return parse_config(
+        {
+            "devices": MIX,
+            "gpus_file": gpus_file,
+            "emulation": {"mode": "padded"},
+            "workload": {"name": "gpt", "options": {**SMALL, "n_embd": width}},
+            "optimizer": {"zero_stage": stage},
+            "train": {"global_batch": 12, "steps": steps, "precision": "fp32", "report_every": steps},
+            "run": {"name": name, "storage_path": f"{tmp}/runs"},
+        }
+    )
+
+
+def confirm(steps: int) -> dict:
+    """At 1/``MEMORY_SCALE`` of every card's memory: the largest small GPT the rule trains on all six cards
+    with ZeRO-3 and without sharding, then a run of the ZeRO-3 one on emulated cards (padded, memory caps
+    charging each rank what it holds), and the planner's plan for it without sharding."""
+    import tempfile
+
+    from hetero_ray.cluster.emulation import EmulatedCluster
+    from hetero_ray.plan.data_parallel import plan_data_parallel
+    from hetero_ray.plan.plan import Plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        catalog = scaled_catalog(f"{tmp}/gpus.yaml")
+        widths = {"zero3": largest_small(3, catalog), "unsharded": largest_small(0, catalog)}
+        fp = small_footprint(widths["zero3"])
+        unsharded = plan_data_parallel(ranks(MIX), catalog, fp, global_batch=12, precision="fp32")
+        cluster = EmulatedCluster(MIX, gpus_per_node=2)
+        import os
+
+        os.environ.update(cluster.env)
+        import ray
+
+        from hetero_ray.train.prepare import prepare
+        from hetero_ray.train.trainer import run_training
+
+        with cluster:
+            ray.init(address=cluster.address, log_to_driver=False)
+            try:
+                cfg = run_config("sharding-confirm", widths["zero3"], f"{tmp}/gpus.yaml", 3, steps, tmp)
+                prepared = prepare(cfg)
+                metrics = run_training(cfg, prepared).metrics
+            finally:
+                ray.shutdown()
+    params = {k: small_footprint(w).param_count for k, w in widths.items()}
+    return {
+        "kind": "emulated, padded, memory caps; every card's memory ÷ " + str(MEMORY_SCALE),
+        "width": widths,
+        "params": params,
+        "capacity_ratio_at_scale": params["zero3"] / params["unsharded"],
+        "zero3_run": {
+            "steps": steps,
+            "losses": metrics["losses"],
+            "devices": [
+                {k: d.get(k) for k in ("rank", "gpu_type", "local_batch", "peak_memory_bytes", "memory_cap_bytes")}
+                for d in metrics["devices"]
+            ],
+        },
+        "unsharded_plan_at_that_width": {
+            "trains_on": sorted(r.gpu_type for r in unsharded.roles),
+            "excluded": [f"{e.count} × {e.gpu_type}: {e.reason}" for e in unsharded.excluded],
+        }
+        if isinstance(unsharded, Plan)
+        else {"infeasible": unsharded.reason},
+    }
+
+
+def measured(steps: int) -> list[dict]:
+    """``bench/plan_accuracy.py``'s throttled cluster, profiled, then one run each without ZeRO, at ZeRO-2 and at
+    ZeRO-3, side by side: the planner's predicted step ÷ the measured one."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import plan_accuracy as pa
+
+    records = []
+    with pa.profiled_cluster(steps) as profiled:
+        from hetero_ray.train.prepare import prepare
+        from hetero_ray.train.trainer import run_training
+
+        for stage in (0, 2, 3):
+            cfg = profiled.model_copy(
+                update={
+                    "optimizer": profiled.optimizer.model_copy(update={"zero_stage": stage}),
+                    "run": profiled.run.model_copy(update={"name": f"{profiled.run.name}-zero{stage}"}),
+                }
+            )
+            prepared = prepare(cfg)
+            metrics = run_training(cfg, prepared).metrics
+            plan = prepared.plan
+            records.append(
+                {
+                    "zero_stage": stage,
+                    "plan": "pipelined" if plan.is_pipelined else "data parallel",
+                    "devices_used": [r.gpu_type for r in plan.roles],
+                    "shares": [r.local_batch for r in plan.roles],
+                    "predicted_step_s": plan.predicted_step_s,
+                    "predicted_comm_s": plan.predicted_comm_s,
+                    "measured_step_s": metrics["step_s"],
+                    "predicted_over_measured": plan.predicted_step_s / metrics["step_s"],
+                    "devices": [pa.device_record(d) for d in metrics["devices"]],
+                }
+            )
+    return records
+
+
+def fresh_process(fn: Callable, *args):
+    """``fn(*args)`` in a new process: Ray reads a cluster's authentication token once, at import, so each
+    emulated cluster needs a process of its own."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json-out", default=None)
+    parser.add_argument("--steps", type=int, default=8, help="steps of each emulated run")
+    parser.add_argument("--no-measure", action="store_true", help="the modelled figures alone")
     args = parser.parse_args(argv)
     from hetero_ray.cluster.catalog import load_catalog
 
     catalog = load_catalog()
     out = {"capacity": capacity(catalog)}
+    if not args.no_measure:
+        out["capacity"]["confirmed"] = fresh_process(confirm, args.steps)
+        out["predicted_over_measured"] = {
+            "kind": "emulated, throttled (CPU slices, profiled first; a named 1 Gbit/s link)",
+            "runs": fresh_process(measured, args.steps),
+        }
     # The largest GPT an A100-80GB holds whole, and the largest ZeRO-3 trains on the two-type mix (none whole).
     widths = out["capacity"]["width"]
     out["three_types"] = [three_types(catalog, widths[k]) for k in ("unsharded_on_some", "zero3_by_memory_on_all")]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from dataclasses import replace
@@ -109,58 +108,44 @@ def measured(steps: int) -> dict:
     """Profile the throttled cluster, then run the planner's best plan at degree 2 and at degree 1 on it."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import plan_accuracy as pa  # the throttled cluster, workload, batch and link that bench measures plans on
-    from rich.console import Console
-
-    from hetero_ray.cluster.emulation import EmulatedCluster
-
-    cluster = EmulatedCluster(pa.DEVICES, gpus_per_node=2, cpu_share=pa.CPU_SHARE)
-    # Ray reads its authentication mode once, at import: the token must be set before `import ray`.
-    os.environ.update(cluster.env)
-    import ray
-
-    from hetero_ray.perf.remote import profile_run
-    from hetero_ray.plan.search import plan
-    from hetero_ray.train.prepare import prepare, profiled_speeds, rank_types, topology_for
-    from hetero_ray.train.trainer import run_training
 
     records = []
-    with cluster, tempfile.TemporaryDirectory() as tmp:
-        ray.init(address=cluster.address, log_to_driver=False)
-        try:
-            cfg = profile_run(pa.config(steps, "throttled"), f"{tmp}/profile.parquet", Console(stderr=True))
-            prepared = prepare(cfg)
-            types = rank_types(cfg)
-            for degree in (2, 1):
-                best = plan(
-                    types,
-                    prepared.catalog,
-                    prepared.footprint,
-                    global_batch=cfg.train.global_batch,
-                    topology=topology_for(cfg, prepared.catalog, types),
-                    precision=cfg.train.precision,
-                    efficiency=prepared.efficiency,
-                    emulated=True,
-                    seconds_per_sample=profiled_speeds(cfg, prepared.catalog),
-                    tensor_parallel=(degree,),
-                    top_k=1,
-                )[0]
-                run = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"{cfg.run.name}-tp{degree}"})})
-                metrics = run_training(run, replace(prepared, plan=best)).metrics
-                records.append(
-                    {
-                        "tensor_parallel": degree,
-                        "shape": pa.describe(replace(best, roles=tuple(r for r in best.roles if r.tp_rank == 0)))
-                        + (f" (each stage {degree} members, tensor parallel)" if degree > 1 else ""),
-                        "predicted_step_s": best.predicted_step_s,
-                        "measured_step_s": metrics["step_s"],
-                        "predicted_over_measured": best.predicted_step_s / metrics["step_s"],
-                        "explanation": best.explanation,
-                        "devices": [pa.device_record(d) for d in metrics["devices"]],
-                        "roles": [pa.role_record(r) | {"tp_rank": r.tp_rank} for r in best.roles],
-                    }
-                )
-        finally:
-            ray.shutdown()
+    with pa.profiled_cluster(steps) as cfg:
+        from hetero_ray.plan.search import plan
+        from hetero_ray.train.prepare import prepare, profiled_speeds, rank_types, topology_for
+        from hetero_ray.train.trainer import run_training
+
+        prepared = prepare(cfg)
+        types = rank_types(cfg)
+        for degree in (2, 1):
+            best = plan(
+                types,
+                prepared.catalog,
+                prepared.footprint,
+                global_batch=cfg.train.global_batch,
+                topology=topology_for(cfg, prepared.catalog, types),
+                precision=cfg.train.precision,
+                efficiency=prepared.efficiency,
+                emulated=True,
+                seconds_per_sample=profiled_speeds(cfg, prepared.catalog),
+                tensor_parallel=(degree,),
+                top_k=1,
+            )[0]
+            run = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"{cfg.run.name}-tp{degree}"})})
+            metrics = run_training(run, replace(prepared, plan=best)).metrics
+            records.append(
+                {
+                    "tensor_parallel": degree,
+                    "shape": pa.describe(replace(best, roles=tuple(r for r in best.roles if r.tp_rank == 0)))
+                    + (f" (each stage {degree} members, tensor parallel)" if degree > 1 else ""),
+                    "predicted_step_s": best.predicted_step_s,
+                    "measured_step_s": metrics["step_s"],
+                    "predicted_over_measured": best.predicted_step_s / metrics["step_s"],
+                    "explanation": best.explanation,
+                    "devices": [pa.device_record(d) for d in metrics["devices"]],
+                    "roles": [pa.role_record(r) | {"tp_rank": r.tp_rank} for r in best.roles],
+                }
+            )
     return {
         "kind": "emulated, throttled: CPU slices whose speeds the profile measured; messages held to the link",
         "cluster": pa.DEVICES,
