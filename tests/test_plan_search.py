@@ -115,11 +115,15 @@ def test_pure_data_parallel_matches_the_weighted_planner(catalog):
 
 
 @pytest.mark.parametrize(
-    "seed, degrees", [(seed, (1,)) for seed in range(8)] + [(seed, (1, 2, 4)) for seed in range(16)]
+    "seed, degrees, zero_stage",
+    [(seed, (1,), 0) for seed in range(8)]
+    + [(seed, (1, 2, 4), 0) for seed in range(16)]
+    + [(seed, (1,), 1) for seed in range(16)],
 )
-def test_search_is_optimal_on_small_instances(catalog, seed, degrees):
+def test_search_is_optimal_on_small_instances(catalog, seed, degrees, zero_stage):
     """Against the enumerator, which walks every split, checkpointing and micro-batch of every kind; with
-    tensor parallelism, at each degree, the members' all-reduces priced by its own scalar sums."""
+    tensor parallelism, at each degree, the members' all-reduces priced by its own scalar sums; at ZeRO-1,
+    each stage's Adam state split over its kind's replicas by its own scalar sums."""
     inst = random_instance(seed, catalog)
     kw = dict(
         global_batch=inst.global_batch,
@@ -127,6 +131,7 @@ def test_search_is_optimal_on_small_instances(catalog, seed, degrees):
         max_stages=4,
         micro_batches=(1, 2),
         tensor_parallel=degrees,
+        zero_stage=zero_stage,
     )
     ranks = list(inst.rank_types)
     result = plan(ranks, catalog, inst.footprint, **kw)
@@ -136,6 +141,7 @@ def test_search_is_optimal_on_small_instances(catalog, seed, degrees):
         return
     for p in result:
         check_invariants(p, ranks, len(inst.footprint.layers))
+        assert p.zero_stage == zero_stage
     assert [p.predicted_step_s for p in result] == sorted(p.predicted_step_s for p in result)
     assert result[0].predicted_step_s <= 1.01 * optimum
 
@@ -232,13 +238,16 @@ def test_model_that_fits_nowhere_names_the_smallest_shortfall(catalog):
         ({"global_batch": 0}, "global_batch: must be >= 1"),
         ({"global_batch": 8, "schedule": "zb"}, "schedule: unknown schedule 'zb'"),
         ({"global_batch": 8, "max_stages": 0}, "max_stages: must be >= 1"),
+        ({"global_batch": 8, "zero_stage": 2}, r"zero_stage: .*stages 2 and 3 shard data parallelism only \(got 2\)"),
+        ({"global_batch": 8, "zero_stage": 1, "optimizer": "onebit_adam"}, "zero_stage: .*1-bit optimizer onebit_adam"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(catalog, kwargs, match):
     fp = layered(2, 1000, 1e9, 1e3, 1e3)
     topo = uniform_topology(catalog, [A100], gpus_per_node=1, inter_node_gbps=1)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as error:
         plan([A100], catalog, fp, topology=topo, **kwargs)
+    assert "\n" not in str(error.value)
 
 
 def test_checkpointed_data_parallel_devices_stay_within_memory():
@@ -304,3 +313,84 @@ def test_each_stage_pays_a_measured_fixed_cost_in_full(catalog):
         assert extra == pytest.approx((1 - (j - i) / 8) * 0.05)
     # A whole-model worker is priced per sample at its rate, as before.
     assert (stage_work(full, staged=False, **work).compute == stage_work(shared, staged=False, **work).compute).all()
+
+
+def test_zero1_fits_a_pipeline_in_the_memory_its_replicas_share(catalog):
+    """4 layers of 600 M parameters on 4 V100-16GB: two layers hold 19.2 GB of weights, gradients and Adam
+    state, over the card's 17.2 GB, so at most 2 stages nothing fits; with 4 stages one layer per card does.
+    At ZeRO-1 the 2 replicas of a 2-stage pipeline each keep half of every stage's Adam state: 14.4 GB."""
+    P, act = 600_000_000, 1e6
+    fp = layered(4, P, 1e11, act, 1e5)
+    ranks = [V100] * 4
+    topo = uniform_topology(catalog, ranks, gpus_per_node=4, inter_node_gbps=100)
+    kw = dict(global_batch=16, topology=topo, precision="fp32")
+    assert isinstance(plan(ranks, catalog, fp, max_stages=2, **kw), Infeasible)
+    assert {r.stage for r in plan(ranks, catalog, fp, max_stages=4, **kw)[0].roles} == {0, 1, 2, 3}
+    plans = plan(ranks, catalog, fp, max_stages=2, zero_stage=1, **kw)
+    assert isinstance(plans, list) and plans
+    best = plans[0]
+    check_invariants(best, ranks, 4)
+    assert best.zero_stage == 1 and best.num_pipelines == 2
+    for r in best.roles:
+        assert not r.activation_checkpointing
+        # fp32 weights and gradients whole, Adam's two fp32 moments halved, then the saved activations.
+        params = (r.layers[1] - r.layers[0]) * P
+        flight = min(r.local_batch // r.micro_batch, 2 - r.stage)  # 1F1B on 2 stages
+        expected = params * (4 + 4 + 8 / 2) + flight * r.micro_batch * (r.layers[1] - r.layers[0]) * act
+        assert r.predicted_memory_bytes == pytest.approx(expected, rel=1e-12)
+    assert "ZeRO-1: each stage's Adam state is sharded over the 2 replicas of its pipeline kind (1/2 each)" in (
+        best.explanation
+    )
+
+
+@pytest.mark.parametrize("gpus_per_node", [8, 2])
+def test_zero1_all_gather_is_half_an_all_reduce_over_a_kinds_replicas(catalog, gpus_per_node):
+    """The updated parameters (fp32) are all-gathered among the replicas of each stage: half a hierarchical
+    all-reduce of the stage's parameters, after the gradients' own (the same bytes at ``reduce_dtype`` fp32):
+    1.5 times the all-reduce alone. More replicas or more parameters: a longer all-gather."""
+    gather = {}
+    for n, P in ((4, 10**7), (8, 10**7), (8, 4 * 10**7)):
+        fp = layered(4, P, 1e9, 1e6, 1e5)
+        ranks = [A100] * n
+        topo = uniform_topology(catalog, ranks, gpus_per_node=gpus_per_node, inter_node_gbps=10)
+        # Only 2-stage pipelines are in the space: pure data parallelism is not at ZeRO-1.
+        p = plan(ranks, catalog, fp, global_batch=32, topology=topo, max_stages=2, zero_stage=1)[0]
+        check_invariants(p, ranks, 4)
+        r = n // 2
+        assert p.num_pipelines == r
+        payload = 4 * max(role.layers[1] - role.layers[0] for role in p.roles) * P
+        local = min(r, gpus_per_node // 2)  # a node holds whole 2-stage runs of a pipeline's stages
+        nodes = -(-r // local)
+        (intra_bw, intra_lat), (inter_bw, inter_lat) = topo.intra(A100), topo.inter([A100])
+        all_reduce = (2 * (local - 1) / local * payload / intra_bw + 2 * (local - 1) * intra_lat) + (
+            2 * (nodes - 1) / nodes * payload / inter_bw + 2 * (nodes - 1) * inter_lat
+        )
+        assert p.predicted_comm_s == pytest.approx(1.5 * all_reduce, rel=1e-9)
+        assert p.predicted_comm_fp32_s == p.predicted_comm_s
+        assert f"the updated slices all-gathered after the step ({0.5 * all_reduce * 1e3:.3g} ms)" in p.explanation
+        gather[n, P] = p.predicted_comm_s - all_reduce
+    assert gather[4, 10**7] < gather[8, 10**7] < gather[8, 4 * 10**7]
+
+
+def test_zero1_plans_no_pure_data_parallelism(catalog):
+    """At ZeRO-1 pure data parallelism is the data-parallel planner's (it shards across types by memory): a
+    light model on one fast node, whose top plans include all 8 devices data parallel, gets only plans with a
+    pipeline of 2 or more stages, some with data-parallel devices beside it."""
+    light = layered(8, 1_000_000, 2e10, 1e6, 1e5)
+    ranks = [A100] * 4 + [V100] * 4
+    fast = uniform_topology(catalog, ranks, gpus_per_node=8, inter_node_gbps=400)
+
+    def one_stage_pipelines(p: Plan) -> int:
+        return sum(all(r.layers is None for r in p.roles if r.pipeline == k) for k in range(p.num_pipelines))
+
+    plain = plan(ranks, catalog, light, global_batch=64, topology=fast, top_k=10)
+    assert any(one_stage_pipelines(p) == p.num_pipelines for p in plain)
+    plans = plan(ranks, catalog, light, global_batch=64, topology=fast, zero_stage=1, top_k=10)
+    assert len(plans) == 10
+    for p in plans:
+        check_invariants(p, ranks, 8)
+        assert p.zero_stage == 1 and one_stage_pipelines(p) < p.num_pipelines
+    assert any(one_stage_pipelines(p) for p in plans)
+    only_data_parallel = plan(ranks, catalog, light, global_batch=64, topology=fast, zero_stage=1, max_stages=1)
+    assert isinstance(only_data_parallel, Infeasible)
+    assert only_data_parallel.reason.startswith("zero_stage 1 shards Adam's state within pipelines of 2 or more")

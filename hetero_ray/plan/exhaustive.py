@@ -1,8 +1,10 @@
 """Every plan of the search's space, for checking the search on small instances. Not used to plan.
 
 It shares with the search only the space's definition (stage counts, mixed
-compositions, node placement of stages) and the objective (``allocate`` plus
-``comm_seconds``). Stage times and memory are recomputed here from the
+compositions, node placement of stages, at ZeRO-1 no shape of one-stage kinds
+only) and the objective (``allocate`` plus ``shape_comm``: the gradient all-reduce,
+then ZeRO-1's all-gather). Stage times and memory (at ZeRO-1 with each stage's Adam
+state split over its kind's replicas) are recomputed here from the
 per-layer costs with the scalar cost functions, every contiguous layer split and
 every checkpointing choice per stage and every micro-batch size per kind is
 tried, and only options that another option of the same kind beats on every
@@ -18,10 +20,9 @@ import math
 from collections.abc import Sequence
 
 from hetero_ray.cluster.catalog import Catalog
-from hetero_ray.config import ONEBIT_OPTIMIZERS
 from hetero_ray.perf.footprint import Footprint
 from hetero_ray.plan.cost import activation_scale, p2p_seconds, stage_compute_seconds, tp_allreduce_seconds
-from hetero_ray.plan.memory import in_flight, stage_memory_bytes
+from hetero_ray.plan.memory import ADAM_STATE_BYTES, in_flight, stage_memory_bytes
 from hetero_ray.plan.search import (
     MICRO_BATCHES,
     Group,
@@ -29,9 +30,10 @@ from hetero_ray.plan.search import (
     Space,
     allocate,
     build_space,
-    comm_seconds,
     kind_types,
     local_members,
+    searched_degrees,
+    shape_comm,
 )
 from hetero_ray.plan.stages import KindSplit, workload_layers
 from hetero_ray.plan.topology import Topology
@@ -39,9 +41,16 @@ from hetero_ray.train.precision import choose_precision
 
 
 def kind_options(
-    space: Space, stage_types: tuple[str, ...], layers, catalog: Catalog, efficiency: float, precision: str
+    space: Space,
+    stage_types: tuple[str, ...],
+    layers,
+    catalog: Catalog,
+    efficiency: float,
+    precision: str,
+    replicas: int = 1,
 ):
-    """Every feasible (micro-batch, split, checkpointing) of one kind, dominated ones dropped."""
+    """Every feasible (micro-batch, split, checkpointing) of one kind replicated ``replicas`` times, dominated
+    ones dropped."""
     S, L = len(stage_types), len(layers)
     links = Kinds(space).links(stage_types)
     specs = {t: catalog.get(t) for t in set(stage_types)}
@@ -64,17 +73,23 @@ def kind_options(
                 if s < S - 1:
                     msgs += p2p_seconds(layers[j - 1].output_bytes_per_sample * scale, m, *links[s])
                 choices = []
+                params = sum(c.params for c in span)
+                # ZeRO-1: the other replicas of the kind hold the rest of this stage's Adam state.
+                sharded_away = params * ADAM_STATE_BYTES * (1 - 1 / space.state_shards(replicas))
                 for ckpt in (False, True):
-                    memory = stage_memory_bytes(
-                        sum(c.params for c in span),
-                        [c.activation_bytes_per_sample for c in span],
-                        inputs,
-                        optimizer=space.optimizer,
-                        world=2,
-                        micro_batch=m,
-                        in_flight=in_flight(space.schedule, S, S, s),
-                        scale=scale,
-                        checkpointing=ckpt,
+                    memory = (
+                        stage_memory_bytes(
+                            params,
+                            [c.activation_bytes_per_sample for c in span],
+                            inputs,
+                            optimizer=space.optimizer,
+                            world=2,
+                            micro_batch=m,
+                            in_flight=in_flight(space.schedule, S, S, s),
+                            scale=scale,
+                            checkpointing=ckpt,
+                        )
+                        - sharded_away
                     )
                     if memory <= specs[t].memory_bytes:
                         flops = m * sum(c.flops_per_sample for c in span)
@@ -93,7 +108,7 @@ def kind_options(
                             for c in span
                             if c.splittable
                         )
-                        choices.append((ckpt, compute, compute + msgs, sum(c.params for c in span)))
+                        choices.append((ckpt, compute, compute + msgs, params))
                 if not choices:
                     break
                 per_stage.append(choices)
@@ -146,11 +161,12 @@ def exhaustive_best_step(
     max_stages: int = 8,
     micro_batches: Sequence[int] = MICRO_BATCHES,
     tensor_parallel: Sequence[int] = (1,),
+    zero_stage: int = 0,
 ) -> float:
     """The shortest predicted step over every plan of the space (``inf`` if none fits), every
-    tensor-parallel degree of ``tensor_parallel`` tried."""
+    tensor-parallel degree of ``tensor_parallel`` tried (at ``zero_stage`` 1, degree 1 only, as the search)."""
     best = math.inf
-    for tp_degree in tensor_parallel:
+    for tp_degree in searched_degrees(tensor_parallel, zero_stage):
         space = build_space(
             rank_types,
             catalog,
@@ -165,6 +181,7 @@ def exhaustive_best_step(
             micro_batches=micro_batches,
             seconds_per_sample=None,
             tp_degree=tp_degree,
+            zero_stage=zero_stage,
         )
         if space is not None:
             best = min(best, best_step_in(space, footprint, catalog, efficiency, precision))
@@ -175,12 +192,13 @@ def best_step_in(space: Space, footprint: Footprint, catalog: Catalog, efficienc
     """The shortest predicted step over every plan of one space (one tensor-parallel degree)."""
     tp_degree = space.tp_degree
     layers = tuple(c.shard(tp_degree) for c in workload_layers(footprint))
-    cache: dict[tuple[str, ...], list[KindSplit]] = {}
+    cache: dict[tuple[tuple[str, ...], int], list[KindSplit]] = {}
 
-    def options(types):
-        if types not in cache:
-            cache[types] = kind_options(space, types, layers, catalog, efficiency, precision)
-        return cache[types]
+    def options(types, replicas):
+        key = (types, space.state_shards(replicas))
+        if key not in cache:
+            cache[key] = kind_options(space, types, layers, catalog, efficiency, precision, replicas)
+        return cache[key]
 
     best = math.inf
     for mixed in [None, *space.mixed_compositions()]:
@@ -188,18 +206,22 @@ def best_step_in(space: Space, footprint: Footprint, catalog: Catalog, efficienc
         fixed = []
         if mixed is not None:
             types = kind_types(mixed, space.order)
-            if not options(types):
+            r = space.replicas(mixed)
+            if not options(types, r):
                 continue
-            r = min(space.counts[t] // c for t, c in mixed.items())
             fixed.append((types, r))
             for t, c in mixed.items():
                 left[t] -= r * c
-        per_type = [[s for s in space.stage_options(t, left[t]) if s == 0 or options((t,) * s)] for t in space.order]
+        per_type = [
+            [s for s in space.stage_options(t, left[t]) if s == 0 or options((t,) * s, left[t] // s)]
+            for t in space.order
+        ]
         for choice in itertools.product(*per_type):
             kinds = fixed + [((t,) * s, left[t] // s) for t, s in zip(space.order, choice) if s]
-            if not kinds:
+            # At ZeRO-1 pure data parallelism is the data-parallel planner's, not this space's.
+            if not kinds or (space.zero_stage and all(len(types) == 1 for types, _ in kinds)):
                 continue
-            for picks in itertools.product(*(options(types) for types, _ in kinds)):
+            for picks in itertools.product(*(options(types, r) for types, r in kinds)):
                 groups = [
                     Group(
                         split=split,
@@ -213,13 +235,5 @@ def best_step_in(space: Space, footprint: Footprint, catalog: Catalog, efficienc
                 alloc = allocate(space.global_batch, groups)
                 if alloc is None:
                     continue
-                comm = comm_seconds(
-                    groups,
-                    space.topology,
-                    compressed=space.optimizer in ONEBIT_OPTIMIZERS,
-                    layers=space.layers,
-                    tensors=space.tensors,
-                    wire_bytes=space.wire_bytes,
-                )
-                best = min(best, alloc.seconds + comm)
+                best = min(best, alloc.seconds + shape_comm(space, groups)[0])
     return best

@@ -7,9 +7,12 @@ import math
 from collections import Counter
 from dataclasses import replace
 
-from hetero_ray.plan.memory import in_flight, stage_memory_bytes
+import numpy as np
+
+from hetero_ray.plan.memory import activation_bytes, in_flight
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
 from hetero_ray.plan.search import Allocation, Group, Shape, Space
+from hetero_ray.plan.stages import static_matrix
 
 GiB = 2**30
 
@@ -38,12 +41,13 @@ def _role(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int
         local_batch, micro = units * split.micro, split.micro
         flight = in_flight(space.schedule, units, split.stages, s)
         layers, busy = (i, j), units * split.compute_seconds[s]
-    memory = stage_memory_bytes(
-        int(table.params[j] - table.params[i]),
+    # The search's static bytes (ZeRO-1's shard of Adam's state included), then the saved activations.
+    static = static_matrix(
+        np.array(table.params[j] - table.params[i]), space.optimizer, pipelines, space.state_shards(g.replicas)
+    )
+    memory = float(static) + activation_bytes(
         list(table.act[i + 1 : j + 1] - table.act[i:j]),
         list(table.inputs[i + 1 : j + 1] - table.inputs[i:j]),
-        optimizer=space.optimizer,
-        world=pipelines,
         micro_batch=micro,
         in_flight=flight,
         scale=table.scale,
@@ -116,6 +120,7 @@ def build_plan(space: Space, shape: Shape, alloc: Allocation, *, emulated: bool,
         predicted_comm_s=shape.comm_s,
         predicted_comm_fp32_s=shape.comm_fp32_s,
         schedule=space.schedule,
+        zero_stage=space.zero_stage,
     )
     return Plan(**{**plan.__dict__, "explanation": explain(space, shape, alloc, plan)})
 
@@ -154,12 +159,44 @@ def _stage_runs(space: Space, g: Group, roles) -> list[str]:
     return parts
 
 
+def _layout(space: Space, g: Group) -> str:
+    """The stages of a kind, runs of one type together: ``2 × V100-16GB → 1 × A100-80GB``."""
+    return " → ".join(_devices(space, len(list(r)), t) for t, r in itertools.groupby(g.split.stage_types))
+
+
+def _zero_clause(space: Space, shape: Shape) -> str:
+    """ZeRO-1: how each kind shards its stages' Adam state, and the all-gather that follows the step."""
+    replicated = [g for g in shape.groups if g.replicas > 1]
+    if not replicated:
+        return "ZeRO-1: no pipeline kind is replicated, so every stage keeps its Adam state whole (no all-gather)"
+    counts = {g.replicas for g in shape.groups}
+    if len(counts) == 1:
+        n = counts.pop()
+        over = f"the {n} replicas of its pipeline kind (1/{n} each)"
+    else:
+        over = (
+            "the replicas of its pipeline kind ("
+            + ", ".join(
+                f"1/{g.replicas} each over {g.replicas} × ({_layout(space, g)})"
+                if g.replicas > 1
+                else f"whole in 1 × ({_layout(space, g)})"
+                for g in shape.groups
+            )
+            + ")"
+        )
+    return (
+        f"ZeRO-1: each stage's Adam state is sharded over {over}, the updated slices all-gathered after the "
+        f"step ({shape.zero_gather_s * 1e3:.3g} ms)"
+    )
+
+
 def explain(space: Space, shape: Shape, alloc: Allocation, plan: Plan) -> str:
     """Plain language: each kind of pipeline, what each stage holds and why, the batch, communication."""
+    sync = "gradient all-reduce and ZeRO-1 all-gather" if space.zero_stage else "gradient all-reduce"
     lines = [
         f"{plan.num_pipelines} pipeline{'s' * (plan.num_pipelines > 1)} share {space.global_batch} samples; "
         f"step {plan.predicted_step_s * 1e3:.4g} ms = slowest pipeline {plan.predicted_compute_s * 1e3:.4g} ms "
-        f"(with its bubble and stage-to-stage messages) + gradient all-reduce {plan.predicted_comm_s * 1e3:.3g} ms"
+        f"(with its bubble and stage-to-stage messages) + {sync} {plan.predicted_comm_s * 1e3:.3g} ms"
     ]
     first = 0
     for g, units in zip(shape.groups, alloc.units):
@@ -181,7 +218,7 @@ def explain(space: Space, shape: Shape, alloc: Allocation, plan: Plan) -> str:
         else:
             head = (
                 f"{g.replicas} pipeline{'s' * (g.replicas > 1)} of {split.stages} stages "
-                f"({' → '.join(_devices(space, len(list(r)), t) for t, r in itertools.groupby(split.stage_types))}), {per} samples each in micro-batches of {split.micro} "
+                f"({_layout(space, g)}), {per} samples each in micro-batches of {split.micro} "
                 f"({space.schedule.upper()})"
             )
             parts = _stage_runs(space, g, roles)
@@ -193,6 +230,8 @@ def explain(space: Space, shape: Shape, alloc: Allocation, plan: Plan) -> str:
             f"blocks' heads and MLP columns evenly, their all-reduces on the node's links (the times above are a "
             f"member's, all-reduces included)"
         )
+    if space.zero_stage:
+        lines.append(_zero_clause(space, shape))
     lines += [f"{e.count} × {e.gpu_type} unused: {e.reason}" for e in plan.excluded]
     if plan.predicted_comm_s != plan.predicted_comm_fp32_s:
         lines.append(

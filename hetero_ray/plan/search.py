@@ -1,6 +1,6 @@
 """The placement planner: pipelines of GPU-type stages, replicated for data parallelism.
 
-Entry point: ``plan(rank_types, catalog, footprint, global_batch=..., topology=...)``
+Entry point: ``plan(rank_types, catalog, footprint, global_batch=..., topology=..., zero_stage=...)``
 returns the ``top_k`` feasible plans, best (shortest predicted step) first, or
 ``Infeasible`` naming the smallest memory shortfall in the space.
 
@@ -18,9 +18,16 @@ same one): devices of one type are interchangeable, so a plan is a *shape* —
    the enumerator tries every split, checkpointing and micro-batch);
  - the global batch split over pipelines in micro-batches, minimising the slowest
    pipeline (``allocate``); precision per type from ``choose_precision``
-   (half precision is faster and smaller wherever the card has it).
+   (half precision is faster and smaller wherever the card has it);
+ - the ZeRO stage, one per call (``zero_stage``): at 1 each stage's Adam moments
+   are sharded evenly over the r replicas of its kind, so a device holding layers
+   [i, j) keeps params[i, j) × (weights and gradients + Adam state / r) static bytes
+   (a one-stage kind shards over its r data-parallel replicas alike) and a kind's
+   split depends on r; shapes of one-stage kinds only (pure data parallelism, whose
+   ZeRO-1 shards across types by memory in ``plan/data_parallel.py``) are left out.
 Step = slowest pipeline's (M-1)·max_stage + Σ stages (stage times include their
-stage-to-stage messages) + the gradient all-reduce (hierarchical, or 1-bit compressed).
+stage-to-stage messages) + the gradient all-reduce (hierarchical, or 1-bit compressed)
++ at ZeRO-1, the all-gather of the updated fp32 parameters among each kind's replicas.
 
 Complexity: with T types, L layers and S = max_stages, there are
 O(T·log S) single-type kinds and O(C) mixed kinds (C ≤ (log₂S+1)^T compositions),
@@ -223,6 +230,33 @@ def group_comm_seconds(
     return worst
 
 
+def zero_gather_seconds(groups: Sequence[Group], topology: Topology) -> float:
+    """ZeRO-1's all-gather after the optimizer step: each rank broadcasts the slice of its stage's fp32
+    parameters it updated to the other replicas of its kind holding that stage.
+
+    An all-gather moves half the bytes of an all-reduce in half its rounds, so each group is priced as half
+    of ``group_comm_seconds``' hierarchical all-reduce of 4 bytes per parameter over its own replicas and
+    their nodes only; the groups gather side by side, so the slowest one decides.
+    """
+    return max(
+        (
+            0.5
+            * group_comm_seconds(
+                g,
+                topology,
+                g.replicas,
+                -(-g.replicas // min(g.local)),
+                topology.inter(set(g.split.stage_types)),
+                compressed=False,
+                wire_bytes=4.0,
+            )
+            for g in groups
+            if g.replicas > 1
+        ),
+        default=0.0,
+    )
+
+
 @functools.lru_cache(maxsize=1 << 12)
 def largest_stage_per_type(split: KindSplit) -> tuple[tuple[int, str], ...]:
     """(stage, type) of the stage holding most parameters, for each type of the kind."""
@@ -239,9 +273,10 @@ class Shape:
 
     groups: tuple[Group, ...]
     excluded: tuple[tuple[str, int], ...]
-    comm_s: float
-    comm_fp32_s: float
+    comm_s: float  # ZeRO-1's all-gather included
+    comm_fp32_s: float  # ZeRO-1's all-gather included
     bound: float
+    zero_gather_s: float = 0.0  # ZeRO-1: the all-gather of the updated parameters
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,6 +297,11 @@ class Space:
     layers: int
     tensors: int
     wire_bytes: float  # bytes per gradient element on the wire (``train.reduce_dtype``)
+    zero_stage: int  # 1: each stage's Adam state sharded over the replicas of its kind
+
+    def state_shards(self, replicas: int) -> int:
+        """How many ways a kind replicated ``replicas`` times splits each stage's Adam state."""
+        return replicas if self.zero_stage else 1
 
     @property
     def dp_share(self) -> float:
@@ -271,6 +311,10 @@ class Space:
     def stage_options(self, gpu_type: str, available: int) -> list[int]:
         """Stage counts a single-type pipeline of ``gpu_type`` may have with ``available`` devices (0: unused)."""
         return [0] + [s for s in powers_of_two(min(self.max_stages, self.layers)) if s <= available]
+
+    def replicas(self, composition: Mapping[str, int]) -> int:
+        """How many pipelines of a mixed kind the devices hold."""
+        return min(self.counts[t] // c for t, c in composition.items())
 
     def mixed_compositions(self) -> list[dict[str, int]]:
         """Stages per type of every mixed kind: ≥ 2 types, powers of two, at most max_stages in all."""
@@ -295,27 +339,31 @@ def kind_types(composition: Mapping[str, int], order: Sequence[str]) -> tuple[st
 
 
 class Kinds:
-    """Split each pipeline kind once, at the micro-batch the kind's even share of the batch prefers."""
+    """Split each pipeline kind once, at the micro-batch the kind's even share of the batch prefers (at
+    ZeRO-1, once per replica count, which sets the stages' share of Adam's state)."""
 
     def __init__(self, space: Space):
         self.space = space
-        self._cache: dict[tuple[str, ...], KindSplit | None] = {}
+        self._cache: dict[tuple[tuple[str, ...], int], KindSplit | None] = {}
 
     def links(self, stage_types: tuple[str, ...]) -> list:
         topo = self.space.topology
         intra = {t: topo.intra(t) for t in set(stage_types)}
         return stage_links(stage_types, intra, topo.inter(set(stage_types)), lambda t: topo.node(t).gpus_per_node)
 
-    def get(self, stage_types: tuple[str, ...]) -> KindSplit | None:
-        """The kind's split at the micro-batch that runs its even share of the batch fastest per sample.
+    def get(self, stage_types: tuple[str, ...], replicas: int = 1) -> KindSplit | None:
+        """The kind's split, replicated ``replicas`` times, at the micro-batch that runs its even share of the
+        batch fastest per sample.
 
         Micro-batches are tried in increasing order while the time per sample improves: a larger
         one amortises per-message latency but lengthens the fill and drain, so the time per sample
         falls, then rises.
         """
-        if stage_types in self._cache:
-            return self._cache[stage_types]
         sp = self.space
+        shards = sp.state_shards(replicas)
+        key = (stage_types, shards)
+        if key in self._cache:
+            return self._cache[key]
         links = self.links(stage_types)
         share = self.share(stage_types)
         best, best_rate = None, math.inf
@@ -323,7 +371,13 @@ class Kinds:
             if m > sp.global_batch:
                 break
             split = split_kind(
-                stage_types, sp.tables, micro=m, schedule=sp.schedule, optimizer=sp.optimizer, links=links
+                stage_types,
+                sp.tables,
+                micro=m,
+                schedule=sp.schedule,
+                optimizer=sp.optimizer,
+                links=links,
+                state_shards=shards,
             )
             if split is None:
                 break  # a larger micro-batch needs more memory still
@@ -332,7 +386,7 @@ class Kinds:
             if rate >= best_rate * (1 - 1e-12):
                 break
             best, best_rate = split, rate
-        self._cache[stage_types] = best
+        self._cache[key] = best
         return best
 
     def share(self, stage_types: tuple[str, ...]) -> float:
@@ -341,14 +395,14 @@ class Kinds:
         return self.space.global_batch * len(stage_types) / devices
 
 
-def dp_micro_cap(table: TypeTable, split: KindSplit, optimizer: str) -> int:
+def dp_micro_cap(table: TypeTable, split: KindSplit, optimizer: str, state_shards: int = 1) -> int:
     """Largest micro-batch a data-parallel device can run: one forward and backward of m samples at once.
 
     With checkpointing every layer's input is kept for all m samples, and the layer being
-    recomputed holds its full activations for all m as well.
+    recomputed holds its full activations for all m as well. ``state_shards``: ZeRO-1 (``static_matrix``).
     """
     last = split.bounds[-1]
-    static = float(static_matrix(np.array(table.params[last] - table.params[0]), optimizer, 2))
+    static = float(static_matrix(np.array(table.params[last] - table.params[0]), optimizer, 2, state_shards))
     if split.checkpointing[0]:
         per_sample = (table.inputs[last] - table.inputs[0] + table.max_act[0, last]) * table.scale
     else:
@@ -398,9 +452,9 @@ def blocks(space: Space, kinds: Kinds, group) -> list[Block]:
         fixed: tuple[Group, ...] = ()
         if mixed is not None:
             types = kind_types(mixed, space.order)
-            if kinds.get(types) is None:
+            r = space.replicas(mixed)
+            if kinds.get(types, r) is None:
                 continue
-            r = min(space.counts[t] // c for t, c in mixed.items())
             fixed = (group(types, r),)
             for t, c in mixed.items():
                 left[t] -= r * c
@@ -408,7 +462,7 @@ def blocks(space: Space, kinds: Kinds, group) -> list[Block]:
             tuple(
                 (group((t,) * s, left[t] // s), left[t] % s) if s else (None, left[t])
                 for s in space.stage_options(t, left[t])
-                if s == 0 or kinds.get((t,) * s) is not None
+                if s == 0 or kinds.get((t,) * s, left[t] // s) is not None
             )
             for t in space.order
         )
@@ -419,7 +473,9 @@ def blocks(space: Space, kinds: Kinds, group) -> list[Block]:
 def block_lower_bounds(space: Space, fixed: Sequence[Group], options) -> np.ndarray:
     """Per cell of a block: ``allocation_bound`` plus the fp32 communication, computed on the whole grid at once.
 
-    For 1-bit optimizers (communication priced compressed) the bound is the compute bound alone.
+    For 1-bit optimizers (communication priced compressed) the bound is the compute bound alone; ZeRO-1's
+    all-gather is left out of it (a lower bound may omit time). At ZeRO-1 a cell of one-stage kinds only
+    (pure data parallelism) is not in the space: ``inf``.
     """
     dims = tuple(len(o) for o in options)
 
@@ -445,6 +501,8 @@ def block_lower_bounds(space: Space, fixed: Sequence[Group], options) -> np.ndar
     with np.errstate(divide="ignore", invalid="ignore"):
         bound = np.maximum(fill, (space.global_batch - ru + offset) / rate)
     valid = (count > 0) & (ru <= space.global_batch)
+    if space.zero_stage:
+        valid &= summed(lambda g: float(g.split.stages > 1)) > 0
     if space.optimizer in ONEBIT_OPTIMIZERS:
         return np.where(valid, bound, np.inf)
     pipelines = summed(lambda g: g.replicas)
@@ -487,8 +545,12 @@ def group_comm_grid(g: Group, topology: Topology, pipelines, nodes, bandwidth, w
 
 
 def make_group(space: Space, kinds: Kinds, types: tuple[str, ...], replicas: int) -> Group:
-    split = kinds.get(types)
-    cap = dp_micro_cap(space.tables[types[0]], split, space.optimizer) if len(types) == 1 else split.micro
+    split = kinds.get(types, replicas)
+    cap = (
+        dp_micro_cap(space.tables[types[0]], split, space.optimizer, space.state_shards(replicas))
+        if len(types) == 1
+        else split.micro
+    )
     return Group(
         split=split,
         replicas=replicas,
@@ -498,13 +560,15 @@ def make_group(space: Space, kinds: Kinds, types: tuple[str, ...], replicas: int
     )
 
 
-def shape_comm(space: Space, groups: Sequence[Group]) -> tuple[float, float]:
-    """(communication priced for the optimizer, fp32 communication) of a shape."""
+def shape_comm(space: Space, groups: Sequence[Group]) -> tuple[float, float, float]:
+    """(communication priced for the optimizer, fp32 communication, ZeRO-1's all-gather) of a shape; the
+    first two include the third, which follows the gradient all-reduce."""
     kw = dict(layers=space.layers, tensors=space.tensors, wire_bytes=space.wire_bytes)
-    fp32 = comm_seconds(groups, space.topology, compressed=False, **kw)
+    gather = zero_gather_seconds(groups, space.topology) if space.zero_stage else 0.0
+    fp32 = comm_seconds(groups, space.topology, compressed=False, **kw) + gather
     if space.optimizer in ONEBIT_OPTIMIZERS:
-        return comm_seconds(groups, space.topology, compressed=True, **kw), fp32
-    return fp32, fp32
+        return comm_seconds(groups, space.topology, compressed=True, **kw) + gather, fp32, gather
+    return fp32, fp32, gather
 
 
 def build_space(
@@ -523,9 +587,20 @@ def build_space(
     seconds_per_sample: SecondsPerSample | None,
     reduce_dtype: str = "fp32",
     tp_degree: int = 1,
+    zero_stage: int = 0,
 ) -> Space | None:
     """Validate the inputs and tabulate every type's layer costs; at ``tp_degree`` > 1, those of groups of
     that many devices of a type on one node (``None`` when no type has such a group)."""
+    if zero_stage not in (0, 1):
+        raise ValueError(
+            "zero_stage: the placement search shards Adam's state within pipeline stages (1) or not (0); "
+            f"stages 2 and 3 shard data parallelism only (got {zero_stage})"
+        )
+    if zero_stage and optimizer in ONEBIT_OPTIMIZERS:
+        raise ValueError(
+            f"zero_stage: ZeRO-1 is not planned with the 1-bit optimizer {optimizer}; use optimizer adam or "
+            "zero_stage 0"
+        )
     if global_batch < 1:
         raise ValueError(f"global_batch: must be >= 1 (got {global_batch})")
     if schedule not in SCHEDULES:
@@ -576,6 +651,7 @@ def build_space(
         layers=len(layers),
         tensors=len(footprint.param_numels) or len(layers),
         wire_bytes=WIRE_BYTES[reduce_dtype],
+        zero_stage=zero_stage,
     )
 
 
@@ -614,6 +690,7 @@ def plan(
     reduce_dtype: str = "fp32",
     tensor_parallel: Sequence[int] = (1,),
     top_k: int = 5,
+    zero_stage: int = 0,
 ) -> list[Plan] | Infeasible:
     """The ``top_k`` best plans for workers of ``rank_types`` (one GPU type per worker), best first.
 
@@ -622,14 +699,19 @@ def plan(
     the 1-bit ones, prices the compressed phase; ``seconds_per_sample`` overrides
     the FLOPs-based speed of a type with a measured one; ``reduce_dtype`` prices the gradients on the wire
     (``train.reduce_dtype``); ``tensor_parallel``: the degrees tried, each for a whole plan (every stage a
-    group of that many devices of one type on one node). Raises ``ValueError``
+    group of that many devices of one type on one node). ``zero_stage`` 1: ZeRO-1 inside pipelines, each
+    stage's Adam state sharded evenly over the replicas of its kind and the updated parameters all-gathered
+    among them after the step; only plans with at least one pipeline of two or more stages are returned
+    (pure data parallelism at ZeRO-1 is ``plan_data_parallel``'s), with adam only, and tensor-parallel
+    degrees above 1 are not searched (degree 1 only, whatever ``tensor_parallel`` lists). Raises ``ValueError``
     (one line) on bad input; returns ``Infeasible`` when no plan of the space fits.
     """
     if not tensor_parallel or any(d < 1 or d & (d - 1) for d in tensor_parallel):
         raise ValueError(f"tensor_parallel: degrees must be powers of two (got {list(tensor_parallel)})")
+    degrees = searched_degrees(tensor_parallel, zero_stage)
     found = []
     reasons = []
-    for degree in sorted(set(tensor_parallel)):
+    for degree in degrees:
         space = build_space(
             rank_types,
             catalog,
@@ -645,6 +727,7 @@ def plan(
             seconds_per_sample=seconds_per_sample,
             reduce_dtype=reduce_dtype,
             tp_degree=degree,
+            zero_stage=zero_stage,
         )
         if space is None:
             continue
@@ -663,13 +746,19 @@ def plan(
         build_plan(space, shape, alloc, emulated=emulated, fits_alone=fits)
         for _, _, space, shape, alloc, fits in found[:top_k]
     ]
-    if len(set(tensor_parallel)) == 1:
+    if len(degrees) == 1:
         return plans
     # Why the degree: the best plan of each other degree tried, against this one.
     best = {}
     for step, degree, *_ in found:
         best.setdefault(degree, step)
-    return [replace(p, explanation=p.explanation + "; " + tp_comparison(p, best, tensor_parallel)) for p in plans]
+    return [replace(p, explanation=p.explanation + "; " + tp_comparison(p, best, degrees)) for p in plans]
+
+
+def searched_degrees(tensor_parallel: Sequence[int], zero_stage: int) -> list[int]:
+    """The tensor-parallel degrees planned, in order: degree 1 alone at ZeRO-1, whose sharding of a stage's
+    state among tensor-parallel members is not modelled."""
+    return [1] if zero_stage else sorted(set(tensor_parallel))
 
 
 def tp_comparison(chosen: Plan, best: Mapping[int, float], tried: Sequence[int]) -> str:
@@ -711,7 +800,7 @@ def search_space(space: Space, top_k: int) -> list[tuple[float, Shape, Allocatio
             break
         b = space_blocks[owner[i]]
         gs, unused = b.shape(np.unravel_index(i - start[owner[i]], b.lower.shape), space.order)
-        comm, fp32 = shape_comm(space, gs)
+        comm, fp32, gather = shape_comm(space, gs)
         bound = allocation_bound(space.global_batch, gs) + comm
         if bound >= kth:
             continue
@@ -719,7 +808,7 @@ def search_space(space: Space, top_k: int) -> list[tuple[float, Shape, Allocatio
         if alloc is None:
             continue
         step = alloc.seconds + comm
-        shape = Shape(groups=gs, excluded=unused, comm_s=comm, comm_fp32_s=fp32, bound=bound)
+        shape = Shape(groups=gs, excluded=unused, comm_s=comm, comm_fp32_s=fp32, bound=bound, zero_gather_s=gather)
         if len(best) < top_k:
             heapq.heappush(best, (-step, -int(i), shape, alloc))
         elif step < kth:
@@ -730,22 +819,40 @@ def search_space(space: Space, top_k: int) -> list[tuple[float, Shape, Allocatio
             f"use a larger global batch (a multiple of {max(space.micro_batches)})"
         )
     fits_alone = frozenset(
-        t for t in space.order if any(kinds.get((t,) * s) for s in space.stage_options(t, space.counts[t])[1:])
+        t
+        for t in space.order
+        if any(kinds.get((t,) * s, space.counts[t] // s) for s in space.stage_options(t, space.counts[t])[1:])
     )
     return [(-step, shape, alloc, fits_alone) for step, _, shape, alloc in sorted(best, key=lambda b: (-b[0], -b[1]))]
 
 
 def infeasible_reason(space: Space) -> str:
-    """One line: the smallest memory shortfall over the space's kinds, or why the batch cannot be split."""
-    kinds = [(t,) * s for t in space.order for s in powers_of_two(min(space.max_stages, space.layers, space.counts[t]))]
-    kinds += [kind_types(c, space.order) for c in space.mixed_compositions()]
-    short, gpu_type, need, types = min((*min_shortfall(types, space.tables, space.optimizer), types) for types in kinds)
+    """One line: the smallest memory shortfall over the space's kinds (at ZeRO-1, each replicated as often as
+    the devices allow), or why the batch cannot be split."""
+    kinds = [
+        ((t,) * s, space.counts[t] // s)
+        for t in space.order
+        for s in powers_of_two(min(space.max_stages, space.layers, space.counts[t]))
+    ]
+    kinds += [(kind_types(c, space.order), space.replicas(c)) for c in space.mixed_compositions()]
+    if space.zero_stage:
+        kinds = [(types, r) for types, r in kinds if len(types) > 1]
+        if not kinds:
+            return (
+                f"zero_stage 1 shards Adam's state within pipelines of 2 or more stages, and these devices form "
+                f"none (max_stages is {space.max_stages}); plan data parallelism at ZeRO-1 with the data-parallel "
+                "planner, or use zero_stage 0"
+            )
+    short, gpu_type, need, types, r = min(
+        (*min_shortfall(types, space.tables, space.optimizer, space.state_shards(r)), types, r) for types, r in kinds
+    )
     if short > 0:
         cap = space.tables[gpu_type].cap_bytes
         layout = ", ".join(f"{types.count(t)} × {t}" for t in dict.fromkeys(types))
+        sharded = f", Adam's state over {r} replicas" if space.zero_stage else ""
         return (
             f"model needs {need / GiB:.1f} GiB per device at micro-batch 1 in the closest plan "
-            f"({len(types)} pipeline stage{'s' * (len(types) > 1)}: {layout}, activation checkpointing); "
+            f"({len(types)} pipeline stage{'s' * (len(types) > 1)}: {layout}, activation checkpointing{sharded}); "
             f"its {gpu_type} has {cap / GiB:g} GiB; add devices with more memory or allow more stages "
             f"(max_stages is {space.max_stages})"
         )

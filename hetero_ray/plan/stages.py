@@ -6,6 +6,8 @@ stages minimises the slowest stage's time per micro-batch (what paces the
 pipeline), ties broken by the sum of stage times (the fill and drain), subject
 to every stage fitting its device's memory. Each stage takes activation
 checkpointing only when it does not fit without (checkpointing only costs time).
+Under ZeRO-1 a stage's Adam state is sharded over the replicas of its kind
+(``state_shards``), so a kind's split depends on how many replicas it has.
 
 The split is a dynamic programme over (stage, last layer): O(S · L²) work per
 kind, done as S numpy reductions over L × L cost matrices.
@@ -174,9 +176,12 @@ def type_table(
     )
 
 
-def static_matrix(params: np.ndarray, optimizer: str, world: int) -> np.ndarray:
-    """``memory.static_bytes`` for every range's parameter count (vectorised)."""
-    total = params * (WEIGHT_AND_GRAD_BYTES + ADAM_STATE_BYTES)
+def static_matrix(params: np.ndarray, optimizer: str, world: int, state_shards: int = 1) -> np.ndarray:
+    """``memory.static_bytes`` for every range's parameter count (vectorised).
+
+    ``state_shards``: ZeRO-1 within a pipeline kind, Adam's moments split evenly over that many replicas of
+    the stage, so a device holds 1/``state_shards`` of them (weights and gradients stay whole)."""
+    total = params * (WEIGHT_AND_GRAD_BYTES + ADAM_STATE_BYTES / state_shards)
     if optimizer in ONEBIT_OPTIMIZERS:
         w = max(world, 1)
         multiple = w * math.lcm(w, 8)
@@ -196,13 +201,16 @@ class StageCost:
 
 
 @functools.lru_cache(maxsize=4096)
-def stage_work(table: TypeTable, *, micro: int, flight: int, optimizer: str, world: int, staged: bool) -> StageCost:
+def stage_work(
+    table: TypeTable, *, micro: int, flight: int, optimizer: str, world: int, staged: bool, state_shards: int = 1
+) -> StageCost:
     """Compute, memory fit and checkpointing of layers [i, j) on ``table``'s type, messages aside.
 
     ``staged``: one stage of several, priced at the measured speed of ``micro``-sample micro-batches where the
-    table has one (a one-stage kind is priced per sample, at the data-parallel rate)."""
+    table has one (a one-stage kind is priced per sample, at the data-parallel rate). ``state_shards``: the
+    replicas Adam's state is sharded over (``static_matrix``)."""
     p = table.params[None, :] - table.params[:, None]
-    static = static_matrix(p, optimizer, world)
+    static = static_matrix(p, optimizer, world, state_shards)
     act = (table.act[None, :] - table.act[:, None]) * table.scale * flight * micro
     kept = (table.inputs[None, :] - table.inputs[:, None]) * flight * micro + micro * table.max_act
     mem_plain = static + act
@@ -250,13 +258,17 @@ def stage_cost(
     link_in: Link | None,
     link_out: Link | None,
     staged: bool = False,
+    state_shards: int = 1,
 ) -> StageCost:
     """Cost of holding layers [i, j) as one stage of ``table``'s type, for every (i, j).
 
     Messages: the backward sends the input's gradient to the previous stage, the
     forward sends the output to the next one; each is priced on the sending stage.
+    ``state_shards``: the replicas Adam's state is sharded over (``static_matrix``).
     """
-    work = stage_work(table, micro=micro, flight=flight, optimizer=optimizer, world=world, staged=staged)
+    work = stage_work(
+        table, micro=micro, flight=flight, optimizer=optimizer, world=world, staged=staged, state_shards=state_shards
+    )
     if link_in is None and link_out is None:
         return work
     out = np.concatenate([[0.0], table.out])  # output bytes of layer k-1, for a boundary at k
@@ -348,13 +360,15 @@ def split_kind(
     schedule: str,
     optimizer: str,
     links: list[Link],
+    state_shards: int = 1,
 ) -> KindSplit | None:
     """The best split of ``stage_types`` at micro-batch ``micro``; ``None`` if no split fits.
 
     Stage memory is checked at the schedule's steady state: 1F1B holds S - s
     micro-batches on stage s; GPipe is checked at one and the micro-batch count
     is then capped by what every stage can hold. 1-bit error buffers are sized for
-    two replicas, their largest.
+    two replicas, their largest. ``state_shards``: ZeRO-1, each stage's Adam state split evenly over
+    that many replicas of the kind (``static_matrix``).
     """
     S = len(stage_types)
     costs = []
@@ -370,6 +384,7 @@ def split_kind(
                 link_in=links[s - 1] if s > 0 else None,
                 link_out=links[s] if s < S - 1 else None,
                 staged=S > 1,
+                state_shards=state_shards,
             )
         )
     bounds = min_max_split([c.seconds for c in costs])
@@ -380,7 +395,7 @@ def split_kind(
     cap = None
     if schedule == "gpipe" and S > 1:
         cap = min(
-            gpipe_max_micro_batches(tables[t], i, j, micro, optimizer, ck)
+            gpipe_max_micro_batches(tables[t], i, j, micro, optimizer, ck, state_shards)
             for t, (i, j), ck in zip(stage_types, ranges, ckpt)
         )
     return KindSplit(
@@ -395,9 +410,11 @@ def split_kind(
     )
 
 
-def gpipe_max_micro_batches(table: TypeTable, i: int, j: int, micro: int, optimizer: str, ckpt: bool) -> int:
+def gpipe_max_micro_batches(
+    table: TypeTable, i: int, j: int, micro: int, optimizer: str, ckpt: bool, state_shards: int = 1
+) -> int:
     """How many micro-batches a GPipe stage holding [i, j) can keep in flight."""
-    static = float(static_matrix(np.array(table.params[j] - table.params[i]), optimizer, 2))
+    static = float(static_matrix(np.array(table.params[j] - table.params[i]), optimizer, 2, state_shards))
     if ckpt:
         per = (table.inputs[j] - table.inputs[i]) * micro * table.scale
         free = table.cap_bytes - static - micro * table.max_act[i, j] * table.scale
@@ -408,16 +425,24 @@ def gpipe_max_micro_batches(table: TypeTable, i: int, j: int, micro: int, optimi
 
 
 def min_shortfall(
-    stage_types: tuple[str, ...], tables: Mapping[str, TypeTable], optimizer: str
+    stage_types: tuple[str, ...], tables: Mapping[str, TypeTable], optimizer: str, state_shards: int = 1
 ) -> tuple[float, str, float]:
-    """Smallest bytes-over-cap of the worst stage over all splits, at micro-batch 1 with checkpointing (1F1B).
+    """Smallest bytes-over-cap of the worst stage over all splits, at micro-batch 1 with checkpointing (1F1B),
+    Adam's state sharded over ``state_shards`` replicas.
 
     Returns (shortfall bytes, that stage's GPU type, bytes it needs); shortfall <= 0 means it fits.
     """
     S = len(stage_types)
     costs = [
         stage_cost(
-            tables[t], micro=1, flight=S - s, optimizer=optimizer, world=2, link_in=None, link_out=None
+            tables[t],
+            micro=1,
+            flight=S - s,
+            optimizer=optimizer,
+            world=2,
+            link_in=None,
+            link_out=None,
+            state_shards=state_shards,
         ).shortfall
         for s, t in enumerate(stage_types)
     ]
