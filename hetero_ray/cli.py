@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hetero_ray.config import OPTIMIZERS
+from hetero_ray.config import OPTIMIZERS, ZERO_STAGES
 from hetero_ray.output import check_output, write_json, write_json_uri
 from hetero_ray.plan.memory import SCHEDULES
 from hetero_ray.suggest import did_you_mean
@@ -46,9 +46,10 @@ def user_errors() -> tuple[type[Exception], ...]:
 
 def zero_stage(text: str) -> int | str:
     """argparse type for ``--zero-stage``: 0-3 or auto."""
-    if text not in ("0", "1", "2", "3", "auto"):
-        raise argparse.ArgumentTypeError(f"unknown ZeRO stage {text!r}; use 0, 1, 2, 3 or auto")
-    return text if text == "auto" else int(text)
+    stage = next((s for s in ZERO_STAGES if str(s) == text), None)
+    if stage is None:
+        raise argparse.ArgumentTypeError(f"unknown ZeRO stage {text!r}; use one of {', '.join(map(str, ZERO_STAGES))}")
+    return stage
 
 
 def one_of(names: Sequence[str], what: str) -> Callable[[str], str]:

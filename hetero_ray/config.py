@@ -226,6 +226,9 @@ class TrainConfig(_Strict):
 
 ONEBIT_OPTIMIZERS = ("onebit_adam", "zero_one_adam")
 OPTIMIZERS = ("adam", *ONEBIT_OPTIMIZERS)
+ZeroStage = Literal[0, 1, 2, 3, "auto"]
+# For the CLI's --zero-stage and the planner's request check, which read no config file.
+ZERO_STAGES: tuple[int | str, ...] = get_args(ZeroStage)
 # DeepSpeed's 1-bit Adam tutorial warms up for roughly 15-25% of training before compressing.
 DEFAULT_FREEZE_FRACTION = 0.15
 
@@ -244,11 +247,12 @@ class OptimizerConfig(_Strict):
     var_update_scaler: int = Field(16, ge=1, description="zero_one_adam: variance update interval growth.")
     local_step_scaler: int = Field(32678, ge=1, description="zero_one_adam: local-step interval growth.")
     local_step_clipper: int = Field(16, ge=1, description="zero_one_adam: largest local-step interval.")
-    zero_stage: Literal[0, 1, 2, 3, "auto"] = Field(
+    zero_stage: ZeroStage = Field(
         0,
         description="ZeRO stage: 1 shards Adam's state across the data-parallel devices in proportion to the "
         "memory each has to spare, 2 also the gradients, 3 also the weights; 'auto': the planner picks the "
-        "stage whose step it predicts fastest. 1-bit optimizers and pipelined plans need 0.",
+        "stage whose step it predicts fastest. Within pipelines only stage 1 (each stage's Adam state over its "
+        "replicas); 1-bit optimizers need 0.",
     )
     deepspeed: dict[str, Any] = Field(
         default_factory=dict,

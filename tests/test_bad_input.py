@@ -161,6 +161,13 @@ def two_stage_plan() -> dict:
     return {**two_device_plan(), "roles": roles}
 
 
+def tensor_parallel_pair_plan() -> dict:
+    """Two A100s as one tensor-parallel stage holding the whole model, at ZeRO-1."""
+    role = {**two_device_plan()["roles"][0], "local_batch": 4, "micro_batch": 4, "sample_offset": 0}
+    roles = [{**role, "pipeline": 0, "stage": 0, "tp_weights": [1, 1], "tp_rank": k} for k in range(2)]
+    return {**two_device_plan(), "roles": roles, "excluded": [], "zero_stage": 1}
+
+
 def edit(data: dict, path: str, value) -> dict:
     """``data`` with the value at a dotted ``path`` (list indices as numbers) set; ``...`` deletes it."""
     data = copy.deepcopy(data)
@@ -469,7 +476,7 @@ CASES = [
     Case("plan-cmd-max-tp", "hetero-ray plan", "`--max-tp 3`",
          cli(lambda d: ["plan", "--max-tp", "3"]), r"--max-tp: must be a power of two >= 1, e.g. 1, 2, 4, 8 \(got 3\)$"),
     Case("plan-cmd-zero-stage", "hetero-ray plan", "`--zero-stage 4`",
-         cli(lambda d: ["plan", "--zero-stage", "4"]), r"--zero-stage: unknown ZeRO stage '4'; use 0, 1, 2, 3 or auto$"),
+         cli(lambda d: ["plan", "--zero-stage", "4"]), r"--zero-stage: unknown ZeRO stage '4'; use one of 0, 1, 2, 3, auto$"),
     Case("plan-cmd-zero-with-onebit", "hetero-ray plan", "`--zero-stage 1 --optimizer onebit_adam`",
          cli(lambda d: ["plan", "--zero-stage", "1", "--optimizer", "onebit_adam"]),
          r"--zero-stage: onebit_adam is not compatible with ZeRO; use --zero-stage 0$"),
@@ -545,10 +552,14 @@ CASES = [
     Case("discover-missing-gpus-file", "hetero-ray discover", "`--gpus` naming no file",
          cli(lambda d: ["discover", "--gpus", str(d / "none.yaml")]), r"{dir}/none\.yaml"),
     # hetero-ray train --plan (a Plan JSON checked against the config).
-    Case("train-plan-pipelined-with-zero", TRAIN, "`--plan` with pipeline stages and `optimizer: {zero_stage: 1}`",
-         cli(train_plan(lambda: {**two_stage_plan(), "zero_stage": 1}, optimizer={"zero_stage": 1})),
-         r"{dir}/plan\.json: the plan has pipeline stages, which ZeRO stage 1 does not shard yet; use a "
-         r"data-parallel plan or zero_stage: 0"),
+    Case("train-plan-pipelined-with-zero", TRAIN, "`--plan` with pipeline stages and `optimizer: {zero_stage: 2}`",
+         cli(train_plan(lambda: {**two_stage_plan(), "zero_stage": 2}, optimizer={"zero_stage": 2})),
+         r"{dir}/plan\.json: the plan has pipeline stages, and ZeRO stage 2 reduces and gathers on every pass, "
+         r"which would tie the pipelines' schedules together; use zero_stage: 1 or 0, or a data-parallel plan"),
+    Case("train-plan-tensor-parallel-with-zero", TRAIN, "`--plan` with a tensor-parallel stage and `optimizer: {zero_stage: 1}`",
+         cli(train_plan(tensor_parallel_pair_plan, devices={"A100-80GB": 2}, optimizer={"zero_stage": 1})),
+         r"{dir}/plan\.json: the plan has tensor-parallel stages, which ZeRO does not shard; use zero_stage: 0 or a "
+         r"plan without tensor parallelism"),
     Case("train-plan-zero-stage-differs", TRAIN, "`--plan` made without ZeRO, `optimizer: {zero_stage: 1}`",
          cli(train_plan(two_device_plan, optimizer={"zero_stage": 1})),
          r"{dir}/plan\.json: the plan is for ZeRO stage 0, the config's optimizer\.zero_stage is 1; plan with the "

@@ -219,6 +219,39 @@ def test_a_run_config_shards_by_memory_at_the_zero_stage_it_names_or_the_fastest
     assert all(f"at ZeRO-{s}" in auto.explanation for s in range(4) if s != auto.zero_stage)
 
 
+def test_zero_stage_1_shards_each_pipeline_stage_over_its_replicas_when_that_is_faster(tmp_path: Path, capsys):
+    """8 A100 + 16 V100 + 16 T4 and a GPT of 9.1 G parameters: without ZeRO the T4s' 8-stage pipelines do not
+    fit and 8 T4s stay unused; `optimizer.zero_stage: 1` shards each stage's Adam state over the replicas of
+    its pipeline (half each on the V100s and T4s), every device trains, each within its memory, and the step
+    is shorter; `auto` takes it and says why."""
+    import yaml
+
+    def plan_for(stage) -> Plan:
+        run = tmp_path / f"run-{stage}.yaml"
+        gpt = {"n_layer": 24, "n_head": 44, "n_embd": 5632, "block_size": 512}
+        config = {
+            "devices": {"A100-80GB": 8, "V100-16GB": 16, "T4": 16},
+            "workload": {"name": "gpt", "options": gpt},
+            "train": {"global_batch": 256},
+            "optimizer": {"zero_stage": stage},
+            "link": {"bandwidth_gbps": 100},
+            "run": {"name": "plan-test", "storage_path": str(tmp_path / "runs")},
+        }
+        run.write_text(yaml.safe_dump(config))
+        assert main(["plan", "--config", str(run), "--output", str(tmp_path / f"plan-{stage}.json"), "--json"]) == 0
+        return Plan.from_dict(json.loads(capsys.readouterr().out)["plans"][0])
+
+    unsharded, sharded = plan_for(0), plan_for(1)
+    assert sum(e.count for e in unsharded.excluded if e.gpu_type == "T4") == 8
+    assert sharded.zero_stage == 1 and sharded.is_pipelined and len(sharded.roles) == 40 and not sharded.excluded
+    assert all(r.predicted_memory_bytes <= r.memory_cap_bytes for r in sharded.roles)
+    assert "1/2 each over 2 × (8 × T4)" in sharded.explanation
+    assert sharded.predicted_step_s < unsharded.predicted_step_s
+    auto = plan_for("auto")
+    assert auto.zero_stage == 1 and auto.predicted_step_s == sharded.predicted_step_s
+    assert "ZeRO stage 1 (" in auto.explanation and "at ZeRO-0" in auto.explanation
+
+
 def test_a_cluster_file_plans_data_parallelism_sharded_at_the_zero_stage_asked(cluster: Path, tmp_path: Path, capsys):
     """`--zero-stage 3` plans data parallelism over every device of the file, sharded by memory; `auto` ranks
     every stage's plan beside the placement search's and says which stage won against the others."""

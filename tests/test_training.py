@@ -226,6 +226,48 @@ def test_zero_stage_3_trains_on_cards_too_small_for_the_whole_state_like_one_pro
     ]
 
 
+def test_zero_1_inside_pipelines_trains_like_one_process(cluster, tmp_path):
+    """The planner's pipelined ZeRO-1 plan of two pipelines cut alike (A100 stage → V100 stage), run from its
+    plan file: each stage's Adam state is sharded over its two replicas, the run ends where one process ends
+    (1e-5) and its checkpoint holds the whole optimizer state, gathered from the shards."""
+    cfg = run_config(tmp_path / "runs", "zero-1-pipelines")
+    cfg["train"] = {**cfg["train"], "split": "proportional"}
+    cfg["optimizer"] = {"zero_stage": 1}
+    parsed = parse_config(cfg)
+    prepared = prepare(parsed)
+    types = ["A100-80GB"] * 2 + ["V100-16GB"] * 2
+    plans = search.plan(
+        types,
+        prepared.catalog,
+        prepared.footprint,
+        global_batch=12,
+        topology=topology_for(parsed, prepared.catalog, types),
+        precision="fp32",
+        emulated=True,
+        zero_stage=1,
+        top_k=20,
+    )
+
+    def stages(p: Plan, pipeline: int) -> list:
+        return sorted((r.stage, r.gpu_type, r.layers) for r in p.roles if r.pipeline == pipeline)
+
+    # Two replicas of one kind, pipelines cut alike: every stage has a replica to shard with.
+    plan = next(p for p in plans if p.num_pipelines == 2 and stages(p, 0) == stages(p, 1) and p.is_pipelined)
+    assert plan.zero_stage == 1 and "ZeRO-1: each stage's Adam state is sharded over the 2 replicas" in plan.explanation
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps({**plan.to_dict(), "workload": cfg["workload"]}))
+    job_id, out = submit(cluster, tmp_path, cfg, plan=plan_file)
+    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+    result = json.loads(out.read_text())
+    assert Plan.from_dict(result["metrics"]["plan"]).zero_stage == 1
+    params = final_params(result)
+    assert max_abs_diff(params, single_process_reference()) <= 1e-5
+    optimizer_state = torch.load(Path(result["checkpoint_path"]) / "optimizer.pt")
+    assert [s["exp_avg"].shape for _, s in sorted(optimizer_state["state"].items())] == [
+        p.shape for p in params.values()
+    ]
+
+
 def test_discover_cli_labels_emulated_nodes(cluster):
     """`hetero-ray discover --json` on the live cluster: every node reported, emulated GPUs said so, no crash without NVML."""
     out = subprocess.run(

@@ -144,8 +144,13 @@ TWO_TO_ONE = [worker_role(8, 0, micro=3), worker_role(4, 8)]
 def test_shards_by_weight_tile_the_parameters():
     shards = Shards.by_weight(10, [1, 3, 1])
     assert shards.bounds == (0, 2, 8, 10)
-    assert shards.piece(1, 0, 4) == (2, 4) and shards.piece(1, 4, 6) == (0, 4) and shards.piece(0, 4, 6) is None
+    assert shards.pieces(0, 4) == [(0, 0, 2), (1, 2, 4)]
     assert shards.pieces(4, 6) == [(1, 0, 4), (2, 4, 6)]
+    # Owners named by global rank: a pipeline stage's replicas, its first pipeline's rank first.
+    named = Shards.by_weight(10, [1, 3, 1], ranks=[5, 1, 3])
+    assert named.pieces(4, 6) == [(1, 0, 4), (3, 4, 6)]
+    with pytest.raises(ValueError, match="one weight per rank"):
+        Shards.by_weight(10, [1, 1], ranks=[0, 1, 2])
 
 
 # A checkpoint taken at each stage resumes at another, on three ranks.

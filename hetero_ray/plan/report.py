@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetero_ray.cluster.catalog import Catalog
-from hetero_ray.config import OPTIMIZERS, ConfigError
+from hetero_ray.config import OPTIMIZERS, ZERO_STAGES, ConfigError
 from hetero_ray.output import check_output, write_json
 from hetero_ray.perf.footprint import Footprint, measure_footprint
 from hetero_ray.plan.data_parallel import fastest_zero_stage, plan_data_parallel
@@ -60,9 +60,6 @@ def parse_model_options(text: str | None) -> dict:
             f"--model-options: must be a JSON object of the model factory's keyword arguments (got {text})"
         )
     return options
-
-
-ZERO_STAGES = (0, 1, 2, 3, "auto")
 
 
 def check_request(req: Request) -> None:
@@ -116,27 +113,15 @@ def parse_devices(text: str, catalog: Catalog) -> dict[str, int]:
 def search(
     devices: dict[str, int], catalog: Catalog, footprint: Footprint, topology: Topology, req: Request
 ) -> list[Plan]:
-    """The ranked plans, or PlanError with the planner's one-line reason. A ZeRO stage plans data parallelism
-    sharded by memory, its collectives at the slowest NIC's speed; ``auto`` ranks the placement search's plans
-    with data parallelism at every stage."""
+    """The ranked plans, or PlanError with the planner's one-line reason. At ZeRO stage 0 the placement
+    search's; at stage 1 its pipelines sharding each stage's Adam state over its replicas, beside data
+    parallelism sharded by memory (its collectives at the slowest NIC's speed); at 2 and 3 the latter alone;
+    ``auto`` ranks every stage's and says why the first."""
     rank_types = [t for t, n in devices.items() for _ in range(n)]
-    stages = (1, 2, 3) if req.zero_stage == "auto" else (req.zero_stage,) if req.zero_stage else ()
-    sharded = {
-        s: plan_data_parallel(
-            rank_types,
-            catalog,
-            footprint,
-            global_batch=req.global_batch,
-            efficiency=req.efficiency,
-            link=topology.inter(set(rank_types)),
-            zero_stage=s,
-        )
-        for s in stages
-    }
-    result: list[Plan] | Infeasible = []
-    if req.zero_stage in (0, "auto"):
+
+    def placed(zero_stage: int) -> list[Plan] | Infeasible:
         try:
-            result = plan(
+            return plan(
                 rank_types,
                 catalog,
                 footprint,
@@ -148,25 +133,43 @@ def search(
                 max_stages=req.max_stages,
                 tensor_parallel=powers_of_two(req.max_tp),
                 top_k=req.top,
+                zero_stage=zero_stage,
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    if sharded:
-        searched = result if isinstance(result, list) else []
-        best = fastest_zero_stage(
-            {**({0: searched[0] if searched else result} if req.zero_stage == "auto" else {}), **sharded}
-        )
-        if isinstance(best, Infeasible):
-            raise PlanError(best.reason)
-        # After the chosen plan, the search's others and the other stages', fastest first.
-        rest = [
-            *searched[1 if best.zero_stage == 0 else 0 :],
-            *(p for k, p in sharded.items() if isinstance(p, Plan) and k != best.zero_stage),
-        ]
-        result = [best, *sorted(rest, key=lambda p: p.predicted_step_s)][: req.top]
-    if isinstance(result, Infeasible):
-        raise PlanError(result.reason)
-    return result
+
+    def at_stage(zero_stage: int) -> list[Plan] | Infeasible:
+        """The stage's plans, fastest first, or why none fits."""
+        found = [placed(zero_stage)] if zero_stage <= 1 else []
+        if zero_stage >= 1:
+            sharded = plan_data_parallel(
+                rank_types,
+                catalog,
+                footprint,
+                global_batch=req.global_batch,
+                efficiency=req.efficiency,
+                link=topology.inter(set(rank_types)),
+                zero_stage=zero_stage,
+            )
+            found.append([sharded] if isinstance(sharded, Plan) else sharded)
+        plans = sorted((p for f in found if isinstance(f, list) for p in f), key=lambda p: p.predicted_step_s)
+        return plans or Infeasible("; ".join(f.reason for f in found if isinstance(f, Infeasible)))
+
+    stages = (0, 1, 2, 3) if req.zero_stage == "auto" else (req.zero_stage,)
+    ranked = {s: at_stage(s) for s in stages}
+    if len(stages) == 1:
+        result = ranked[stages[0]]
+        if isinstance(result, Infeasible):
+            raise PlanError(result.reason)
+        return result
+    firsts = {s: p[0] if isinstance(p, list) else p for s, p in ranked.items()}
+    best = fastest_zero_stage(firsts)
+    if isinstance(best, Infeasible):
+        raise PlanError(best.reason)
+    # After the chosen plan (its explanation now weighs the stages), every stage's others, fastest first.
+    chosen = firsts[best.zero_stage]
+    rest = [p for plans in ranked.values() if isinstance(plans, list) for p in plans if p is not chosen]
+    return [best, *sorted(rest, key=lambda p: p.predicted_step_s)][: req.top]
 
 
 def describe(p: Plan) -> str:

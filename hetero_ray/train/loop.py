@@ -28,7 +28,7 @@ from hetero_ray.cluster.cpu_slices import free_comm_threads
 from hetero_ray.config import RunConfig
 from hetero_ray.monitor.health import HealthPolicy
 from hetero_ray.monitor.worker import WorkerMonitor
-from hetero_ray.perf.footprint import STATIC_BYTES_PER_PARAM, Footprint
+from hetero_ray.perf.footprint import OPTIMIZER_STATE_BYTES_PER_PARAM, STATIC_BYTES_PER_PARAM, Footprint
 from hetero_ray.plan.data_parallel import memory_fits, zero_bytes
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
 from hetero_ray.train.batch_norm import share_batch_norm
@@ -43,6 +43,7 @@ from hetero_ray.train.pipeline import (
     local_optimizer_state,
     pipeline_group,
     sequence,
+    shard_group,
     tensor_group,
 )
 from hetero_ray.train.precision import autocast, choose_precision
@@ -144,11 +145,21 @@ def train_worker(config: dict[str, Any]) -> None:
         role.tp_degree if role else 1,
         zero_stage,
         list(workload.layered.layers(model)) if workload.layered and not plan.is_pipelined else None,
+        # ZeRO-1 in a pipeline shards over each stage's replicas (every rank makes every group).
+        shard_group(roles, rank) if plan.is_pipelined and zero_stage else None,
     )
     # Weights, gradients and optimizer state this rank holds: under ZeRO what every rank holds whole, and its
-    # shard's fraction of the rest (the optimizer's slices are the shard).
+    # shard's fraction of the rest (the optimizer's slices are the shard); a stage, its layers' weights and
+    # gradients and Adam's state of what its optimizer holds (its shard under ZeRO-1).
     held_whole, sharded = zero_bytes(footprint, zero_stage)
     static_bytes = int(held_whole + sharded * sync.optimizer_elements / footprint.param_count)
+    if stage is not None:
+        static_bytes = (
+            stage.static_bytes(STATIC_BYTES_PER_PARAM - OPTIMIZER_STATE_BYTES_PER_PARAM)
+            + OPTIMIZER_STATE_BYTES_PER_PARAM * sync.optimizer_elements
+            if zero_stage
+            else stage.static_bytes(STATIC_BYTES_PER_PARAM)
+        )
     # gloo's threads leave the device's slice (they are its host's). A thread is named only once it runs, so
     # those of the groups just made may not show yet: again after the first step.
     free_comm_threads(device_slice)
@@ -200,7 +211,7 @@ def train_worker(config: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         fitted = None
         if stage is not None:
-            cap = emu.memory_cap(stage.module, stage.static_bytes(STATIC_BYTES_PER_PARAM)) if emu else None
+            cap = emu.memory_cap(stage.module, static_bytes) if emu else None
             loss_sum, busy = stage.step(batches.indices(step), cap, sync)
             busy = busy if emu else time.perf_counter() - t0
         else:

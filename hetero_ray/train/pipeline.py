@@ -149,6 +149,26 @@ def pipeline_group(roles: Sequence[WorkerRole | None], rank: int) -> tuple[dist.
     return mine
 
 
+def shard_group(roles: Sequence[WorkerRole | None], rank: int) -> tuple[dist.ProcessGroup | None, list[int]]:
+    """ZeRO-1 in a pipelined plan: the process group and ranks of this rank's stage replicas, the stage at the
+    same place of every pipeline cut exactly as this rank's (same types, same layers: the planner's replicas of
+    one kind), ranks in pipeline order. They hold the same parameters in the same gradient chunks, so Adam's
+    state of those chunks is sharded over them. Every rank creates every group, in the same order."""
+    shape: dict[int, tuple] = {}
+    for role in sorted((r for r in roles if r is not None), key=lambda r: (r.pipeline, r.stage)):
+        shape[role.pipeline] = (*shape.get(role.pipeline, ()), (role.gpu_type, role.layers))
+    replicas: dict[tuple, list[int]] = {}
+    for r, role in sorted(enumerate(roles), key=lambda x: x[1].pipeline if x[1] else -1):
+        if role is not None:
+            replicas.setdefault((shape[role.pipeline], role.stage), []).append(r)
+    mine: tuple[dist.ProcessGroup | None, list[int]] = (None, [rank])
+    for ranks in sorted(replicas.values()):
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = (group, ranks)
+    return mine
+
+
 def tensor_group(roles: Sequence[WorkerRole | None], rank: int) -> dist.ProcessGroup | None:
     """The process group of this rank's tensor-parallel stage; None without tensor parallelism (every rank
     creates every group)."""
@@ -358,6 +378,9 @@ def gather_whole_state(
     part = None
     role = roles[rank]
     names, order = _whole_names(model)
+    # Sharded (ZeRO-1), every rank gives its slices and each stage's first replica, pipeline 0's, gets the whole.
+    sharded = getattr(sync, "sharded", None) is not None
+    optimizer = sync.state_dict() if sharded else None
     if role is not None and role.pipeline == 0:
         # By tensor, not by module path: a layer may be a wrapper the model does not hold (the cut points of
         # transformers' models), and a tied tensor has a key per name.
@@ -366,7 +389,7 @@ def gather_whole_state(
             keys.setdefault(id(t), []).append(k)
         modules = {id(m): name for name, m in model.named_modules()}
         params = list(model.parameters())
-        optimizer = sync.state_dict()
+        optimizer = optimizer if sharded else sync.state_dict()
         state = {id(params[i]): s for i, s in optimizer["state"].items()}
         tensors, states, shards = {}, {}, {}
         # Pipeline 0 may be one whole-model replica beside staged pipelines.

@@ -135,8 +135,9 @@ def plan_for(
     A proportional split goes to the placement planner, which weighs pipelines
     against data parallelism; an equal or explicit split is data parallelism with
     that split, as asked. Runs that cannot be pipelined yet stay data-parallel
-    (``data_parallel_only``). A ZeRO stage shards data parallelism's state; ``zero_stage: auto`` takes the
-    fastest predicted step of the unsharded plan and data parallelism at stages 1–3.
+    (``data_parallel_only``). A ZeRO stage shards data parallelism's state; stage 1 also shards the state of
+    each pipeline stage over its replicas, and takes the faster of the two; ``zero_stage: auto`` takes the
+    fastest predicted step of the unsharded plan and stages 1–3.
     """
     stage = cfg.optimizer.zero_stage
     link = cfg.link
@@ -159,10 +160,11 @@ def plan_for(
             seconds_per_sample=profiled_speeds(cfg, catalog),
         )
 
-    def unsharded() -> Plan | Infeasible:
-        # ZeRO shards data parallelism's state only: the placement search's plans hold theirs whole.
+    def searched(zero_stage: int) -> Plan | Infeasible:
+        # The placement search shards within pipeline stages at ZeRO-1 only (stages 2 and 3 reduce and gather
+        # on every pass, which would tie the pipelines' schedules together), without tensor parallelism.
         if cfg.train.split != "proportional" or not footprint.layers:
-            return data_parallel(0)
+            return data_parallel(0) if zero_stage == 0 else Infeasible("no pipeline stages: an even or fixed split")
         plans = search.plan(
             types,
             catalog,
@@ -175,16 +177,22 @@ def plan_for(
             emulated=emulated,
             seconds_per_sample=profiled_speeds(cfg, catalog),
             reduce_dtype=cfg.train.reduce_dtype,
-            tensor_parallel=search.powers_of_two(cfg.train.max_tensor_parallel),
+            tensor_parallel=search.powers_of_two(cfg.train.max_tensor_parallel) if zero_stage == 0 else (1,),
+            zero_stage=zero_stage,
             top_k=1,
             **({"max_stages": 1} if data_parallel_only(cfg, footprint) else {}),
         )
         return plans if isinstance(plans, Infeasible) else plans[0]
 
-    if stage == "auto":
-        plan = fastest_zero_stage({0: unsharded(), **{k: data_parallel(k) for k in (1, 2, 3)}})
-    else:
-        plan = data_parallel(stage) if stage else unsharded()
+    def at_stage(zero_stage: int) -> Plan | Infeasible:
+        if zero_stage == 0:
+            return searched(0)
+        if zero_stage > 1:
+            return data_parallel(zero_stage)
+        fits = [p for p in (data_parallel(1), searched(1)) if isinstance(p, Plan)]
+        return min(fits, key=lambda p: p.predicted_step_s) if fits else data_parallel(1)
+
+    plan = fastest_zero_stage({k: at_stage(k) for k in (0, 1, 2, 3)}) if stage == "auto" else at_stage(stage)
     if isinstance(plan, Infeasible):
         raise PlanError(plan.reason)
     return check_plan(plan, footprint, cfg)
@@ -283,10 +291,15 @@ def given_plan(path: str, cfg: RunConfig, catalog: Catalog, footprint: Footprint
             f"{path}: the plan is for ZeRO stage {plan.zero_stage}, the config's optimizer.zero_stage is "
             f"{cfg.optimizer.zero_stage}; plan with the config (hetero-ray plan) or set the same stage"
         )
-    if plan.is_pipelined and plan.zero_stage:
+    if plan.is_pipelined and plan.zero_stage > 1:
         raise PlanError(
-            f"{path}: the plan has pipeline stages, which ZeRO stage {plan.zero_stage} does not shard yet; use a "
-            "data-parallel plan or zero_stage: 0"
+            f"{path}: the plan has pipeline stages, and ZeRO stage {plan.zero_stage} reduces and gathers on every "
+            "pass, which would tie the pipelines' schedules together; use zero_stage: 1 or 0, or a data-parallel plan"
+        )
+    if plan.tensor_parallel > 1 and plan.zero_stage:
+        raise PlanError(
+            f"{path}: the plan has tensor-parallel stages, which ZeRO does not shard; use zero_stage: 0 or a plan "
+            "without tensor parallelism"
         )
     return check_plan(plan, footprint, cfg)
 

@@ -56,6 +56,7 @@ class TorchAdam:
     and kept there alone, at stage 3 the parameters too (``layers``: the workload's, which
     chunks are cut at and gathered by; ``whole_weights`` for a use that needs the whole model;
     a checkpoint's weights go into the model before, since stage 3 keeps only its slices of them).
+    In a pipelined plan (stage 1 only) the shards span the replicas of the rank's stage (``shard_group``).
     Optimizer state is saved by position in ``model.parameters()``, so a checkpoint loads on
     any plan and any ZeRO stage.
     """
@@ -74,6 +75,7 @@ class TorchAdam:
         tp_degree: int = 1,
         zero_stage: int = 0,
         layers: Sequence[torch.nn.Module] | None = None,
+        shard_group: tuple[dist.ProcessGroup | None, Sequence[int]] | None = None,
     ):
         world = dist.get_world_size()
         if buckets is None:
@@ -91,9 +93,14 @@ class TorchAdam:
         self.link = link
         self.zero_stage = zero_stage
         self.sharded = None
-        if zero_stage:
+        # A stage without replicas (a shard group of one) holds its state whole, outside any collective.
+        if zero_stage and (shard_group is None or len(shard_group[1]) > 1):
             rank, chunks = dist.get_rank(), self.grads.chunks
-            shards = Shards.by_weight(sum(c.flat.numel() for c in chunks), shard_weights or [1.0] * world)
+            group, owners = shard_group or (None, range(world))
+            weights = shard_weights or [1.0] * world
+            shards = Shards.by_weight(
+                sum(c.flat.numel() for c in chunks), [weights[r] for r in owners], tuple(owners) if shard_group else ()
+            )
             if zero_stage >= 2:
                 self.grads.reduce_to_owners(shards, rank)
             self.sharded = ShardedParameters(
@@ -102,6 +109,7 @@ class TorchAdam:
                 rank,
                 zero_stage,
                 self.grads.launches,
+                group,
             )
             # Positions in the flattened (chunk) order, which reverses the buckets'.
             self.flat_index = [position[id(p)] for c in chunks for p in c.params]
@@ -195,7 +203,9 @@ class TorchAdam:
             loss_total=float(votes[0]),
             stop=bool(votes[1] > 0),
             bytes_sent=sum(x.bytes_sent for x in launches) + vote_bytes + gathered,
-            messages=sum(x.messages for x in launches) + vote_rounds + (world - 1 if gathered else 0),
+            messages=sum(x.messages for x in launches)
+            + vote_rounds
+            + (self.sharded.shards.world - 1 if gathered else 0),
             compressed=False,
             launches=tuple(launches),
         )
@@ -216,7 +226,7 @@ class TorchAdam:
         (a ring all-gather's: all but one rank's part of the parameters)."""
         start = time.perf_counter()
         self.sharded.share_updates()
-        world = dist.get_world_size()
+        world = self.sharded.shards.world
         sent = sum(f.numel() * f.element_size() for f in self.sharded.flats) * (world - 1) / world
         if self.link:
             self.link.hold(self.link.send(start, sent, world - 1), start)
@@ -224,7 +234,8 @@ class TorchAdam:
 
     def state_dict(self) -> dict | None:
         """AdamW's state keyed by position in ``model.parameters()``; under ZeRO every rank must call it and
-        rank 0 gets the whole state, gathered from every shard (``None`` elsewhere)."""
+        the shards' first owner (rank 0; in a pipeline, each stage's first replica) gets the whole state of its
+        parameters, gathered from every shard (``None`` elsewhere)."""
         if self.sharded:
             mine = [self.optimizer.state.get(p, {}) for p in self.sharded.params]
             whole = self.sharded.whole_state(mine, self.flat_index)
@@ -535,12 +546,16 @@ def make_sync(
     tp_degree: int = 1,
     zero_stage: int = 0,
     layers: Sequence[torch.nn.Module] | None = None,
+    shard_group: tuple[dist.ProcessGroup | None, Sequence[int]] | None = None,
 ):
     """The synchroniser the config asks for; ``buckets`` when this rank holds part of the model; ``link``: the
     emulated link its messages are held to; ``shard_weights``: each rank's share of ZeRO's shards;
     ``tp_degree``: the members of this rank's tensor-parallel stage; ``zero_stage``: the plan's; ``layers``:
-    the workload's, which ZeRO-2 and 3 cut and gather by."""
+    the workload's, which ZeRO-2 and 3 cut and gather by; ``shard_group``: the process group and ranks ZeRO
+    shards over (``None``: the world; a pipelined plan's stage replicas, ``pipeline.shard_group``)."""
     if cfg.optimizer.name == "adam":
-        return TorchAdam(model, cfg, device, precision, buckets, link, shard_weights, tp_degree, zero_stage, layers)
+        return TorchAdam(
+            model, cfg, device, precision, buckets, link, shard_weights, tp_degree, zero_stage, layers, shard_group
+        )
     bucket = onebit_bucket(buckets, cfg.optimizer.name) if buckets is not None else None
     return DeepSpeedOnebit(model, cfg, device, bucket, link)

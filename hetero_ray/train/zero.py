@@ -105,32 +105,37 @@ def layer_units(
 
 @dataclass(frozen=True)
 class Shards:
-    """Rank ``r`` owns ``[bounds[r], bounds[r + 1])`` of the flattened parameters."""
+    """Owner ``i`` (global rank ``ranks[i]``; ``ranks`` empty: rank ``i``) owns ``[bounds[i], bounds[i + 1])`` of
+    the flattened parameters."""
 
     bounds: tuple[int, ...]
+    ranks: tuple[int, ...] = ()
 
     @classmethod
-    def by_weight(cls, numel: int, weights: Sequence[float]) -> Shards:
+    def by_weight(cls, numel: int, weights: Sequence[float], ranks: Sequence[int] = ()) -> Shards:
         """Contiguous ranges of ``numel`` elements in proportion to ``weights`` (rounded at the cumulative sums,
-        so they tile exactly), at least one element each."""
-        if not weights or min(weights) <= 0 or numel < len(weights):
+        so they tile exactly), at least one element each; ``ranks``: the owners' global ranks, one per weight
+        (default: 0, 1, …)."""
+        if not weights or min(weights) <= 0 or numel < len(weights) or (ranks and len(ranks) != len(weights)):
             raise ValueError(
-                f"shard weights: {list(weights)} over {numel} elements; need positive weights, one element each"
+                f"shard weights: {list(weights)} over {numel} elements for ranks {list(ranks) or 'all'}; need "
+                "positive weights, one element each, one weight per rank"
             )
         total, world = sum(weights), len(weights)
         bounds = [0, *(round(numel * c / total) for c in itertools.accumulate(weights))]
         for r in range(1, world):
             bounds[r] = min(max(bounds[r], bounds[r - 1] + 1), numel - (world - r))
-        return cls(tuple(bounds))
-
-    def piece(self, rank: int, start: int, length: int) -> tuple[int, int] | None:
-        """The part of ``[start, start + length)`` rank ``rank`` owns, as offsets from ``start``; ``None`` if none."""
-        lo, hi = max(self.bounds[rank], start), min(self.bounds[rank + 1], start + length)
-        return (lo - start, hi - start) if lo < hi else None
+        return cls(tuple(bounds), tuple(ranks))
 
     def pieces(self, start: int, length: int) -> list[tuple[int, int, int]]:
-        """``(rank, lo, hi)`` of every rank owning part of ``[start, start + length)``, in order of offsets."""
-        return [(r, *p) for r in range(self.world) if (p := self.piece(r, start, length))]
+        """``(global rank, lo, hi)`` of every owner of part of ``[start, start + length)``, as offsets from
+        ``start``, in order of offsets."""
+        out = []
+        for i in range(self.world):
+            lo, hi = max(self.bounds[i], start), min(self.bounds[i + 1], start + length)
+            if lo < hi:
+                out.append((self.ranks[i] if self.ranks else i, lo - start, hi - start))
+        return out
 
     @property
     def world(self) -> int:
@@ -155,7 +160,8 @@ class ShardedParameters:
     """This rank's slices of every chunk (``params`` for its optimizer), the broadcasts that share updates and,
     under stage 3, the gathers of whole layers.
 
-    ``chunks``: ``(params, gradient)`` pairs in the flattened order. The gradient is the chunk's flat summed one
+    ``chunks``: ``(params, gradient)`` pairs in the flattened order; ``shards`` name their owners, whose process
+    group is ``group`` (``None``: the world; a pipeline stage's data-parallel replicas otherwise). The gradient is the chunk's flat summed one
     at stage 1, this rank's piece of it at stages 2 and 3 (``None`` where it owns none). The parameters are
     moved into one flat tensor per chunk (their ``.data`` become views), so the slices share their storage
     (stages 1 and 2). ``launches``: where stage 3's gathers are recorded, as the gradient buckets' reduces are.
@@ -168,8 +174,9 @@ class ShardedParameters:
         rank: int,
         zero_stage: int = 1,
         launches: list[Launch] | None = None,
+        group: dist.ProcessGroup | None = None,
     ):
-        self.shards, self.rank = shards, rank
+        self.shards, self.rank, self.group = shards, rank, group
         self.launches = launches if launches is not None else []
         self.flats: list[torch.Tensor] = []
         self.layout: list[list[nn.Parameter]] = []
@@ -199,13 +206,15 @@ class ShardedParameters:
         if zero_stage == 3:
             self.release(range(len(self.flats)))
 
-    def share_updates(self, group: dist.ProcessGroup | None = None) -> None:
-        """Every owner's updated slices to every rank (one broadcast per slice, all in flight together)."""
-        self._broadcast(self.slices, group)
+    def share_updates(self) -> None:
+        """Every owner's updated slices to every rank of the group (one broadcast per slice, all in flight
+        together)."""
+        self._broadcast(self.slices)
 
-    def _broadcast(self, slices: Iterable[_Slice], group: dist.ProcessGroup | None = None) -> None:
+    def _broadcast(self, slices: Iterable[_Slice]) -> None:
         works = [
-            dist.broadcast(self.flats[s.chunk][s.lo : s.hi], src=s.rank, group=group, async_op=True) for s in slices
+            dist.broadcast(self.flats[s.chunk][s.lo : s.hi], src=s.rank, group=self.group, async_op=True)
+            for s in slices
         ]
         for work in works:
             work.wait()
@@ -266,13 +275,19 @@ class ShardedParameters:
             self.gathering = True
             self.release(everything)
 
+    @property
+    def gatherer(self) -> int:
+        """The rank ``whole_state`` assembles on: the shards' first owner (rank 0 over the world)."""
+        return self.shards.pieces(0, self.shards.bounds[-1])[0][0]
+
     def whole_state(self, state: Sequence[dict], positions: Sequence[int]) -> list[tuple[int, dict]] | None:
         """AdamW's state of every parameter, keyed by position (``positions``: of each chunk parameter in the
-        model, flattened order), assembled on rank 0 from every rank's slices (``state``: this rank's, per
-        slice); ``None`` elsewhere. Every rank must call it: it is one ``gather_object``."""
-        parts: list | None = [None] * self.shards.world if self.rank == 0 else None
-        dist.gather_object(list(state), parts, dst=0)
-        if self.rank != 0:
+        model, flattened order), assembled on ``gatherer`` from the group's slices (``state``: this rank's, per
+        slice); ``None`` elsewhere. Every rank of the group must call it: it is one ``gather_object``."""
+        gatherer = self.gatherer
+        parts: list | None = [None] * self.shards.world if self.rank == gatherer else None
+        dist.gather_object(list(state), parts, dst=gatherer, group=self.group)
+        if self.rank != gatherer:
             return None
         ordered = sorted(self.slices, key=lambda s: (s.rank, s.chunk))  # how each rank listed its own
         got = dict(zip(map(id, ordered), (x for part in parts for x in part)))
