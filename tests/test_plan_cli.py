@@ -192,24 +192,32 @@ def test_a_run_config_lets_the_planner_split_a_block_no_v100_holds(tmp_path: Pat
     assert "none fits at degree 1" in plan.explanation
 
 
+def planned_from_config(tmp_path: Path, capsys, devices: dict, gpt: dict, global_batch: int, stage) -> Plan:
+    """`hetero-ray plan --config` on a run config of ``devices`` and the GPT of ``gpt`` at ZeRO ``stage`` (100
+    Gbit/s between devices): the chosen plan."""
+    import yaml
+
+    run = tmp_path / f"run-{stage}.yaml"
+    config = {
+        "devices": devices,
+        "workload": {"name": "gpt", "options": gpt},
+        "train": {"global_batch": global_batch},
+        "optimizer": {"zero_stage": stage},
+        "link": {"bandwidth_gbps": 100},
+        "run": {"name": "plan-test", "storage_path": str(tmp_path / "runs")},
+    }
+    run.write_text(yaml.safe_dump(config))
+    assert main(["plan", "--config", str(run), "--output", str(tmp_path / f"plan-{stage}.json"), "--json"]) == 0
+    return Plan.from_dict(json.loads(capsys.readouterr().out)["plans"][0])
+
+
 def test_a_run_config_shards_by_memory_at_the_zero_stage_it_names_or_the_fastest(tmp_path: Path, capsys):
     """A GPT of 1.6 G parameters, whose 26 GB of state only the A100s hold whole: `optimizer.zero_stage: 3`
     trains it on all six cards, each within its memory; `auto` weighs every stage and says so."""
-    import yaml
 
     def plan_for(stage) -> Plan:
-        run = tmp_path / f"run-{stage}.yaml"
-        config = {
-            "devices": {"A100-80GB": 2, "V100-16GB": 4},
-            "workload": {"name": "gpt", "options": {"n_layer": 8, "n_head": 32, "n_embd": 4096, "block_size": 256}},
-            "train": {"global_batch": 24},
-            "optimizer": {"zero_stage": stage},
-            "link": {"bandwidth_gbps": 100},
-            "run": {"name": "plan-test", "storage_path": str(tmp_path / "runs")},
-        }
-        run.write_text(yaml.safe_dump(config))
-        assert main(["plan", "--config", str(run), "--output", str(tmp_path / f"plan-{stage}.json"), "--json"]) == 0
-        return Plan.from_dict(json.loads(capsys.readouterr().out)["plans"][0])
+        gpt = {"n_layer": 8, "n_head": 32, "n_embd": 4096, "block_size": 256}
+        return planned_from_config(tmp_path, capsys, {"A100-80GB": 2, "V100-16GB": 4}, gpt, 24, stage)
 
     three = plan_for(3)
     assert three.zero_stage == 3 and len(three.roles) == 6 and "ZeRO-3:" in three.explanation
@@ -224,22 +232,10 @@ def test_zero_stage_1_shards_each_pipeline_stage_over_its_replicas_when_that_is_
     fit and 8 T4s stay unused; `optimizer.zero_stage: 1` shards each stage's Adam state over the replicas of
     its pipeline (half each on the V100s and T4s), every device trains, each within its memory, and the step
     is shorter; `auto` takes it and says why."""
-    import yaml
 
     def plan_for(stage) -> Plan:
-        run = tmp_path / f"run-{stage}.yaml"
         gpt = {"n_layer": 24, "n_head": 44, "n_embd": 5632, "block_size": 512}
-        config = {
-            "devices": {"A100-80GB": 8, "V100-16GB": 16, "T4": 16},
-            "workload": {"name": "gpt", "options": gpt},
-            "train": {"global_batch": 256},
-            "optimizer": {"zero_stage": stage},
-            "link": {"bandwidth_gbps": 100},
-            "run": {"name": "plan-test", "storage_path": str(tmp_path / "runs")},
-        }
-        run.write_text(yaml.safe_dump(config))
-        assert main(["plan", "--config", str(run), "--output", str(tmp_path / f"plan-{stage}.json"), "--json"]) == 0
-        return Plan.from_dict(json.loads(capsys.readouterr().out)["plans"][0])
+        return planned_from_config(tmp_path, capsys, {"A100-80GB": 8, "V100-16GB": 16, "T4": 16}, gpt, 256, stage)
 
     unsharded, sharded = plan_for(0), plan_for(1)
     assert sum(e.count for e in unsharded.excluded if e.gpu_type == "T4") == 8

@@ -122,16 +122,12 @@ def test_memory_caps_force_a_pipeline_that_trains_like_one_process(cluster, tmp_
     assert max_abs_diff(final_params(result), single_process_reference()) <= 1e-5
 
 
-def test_a_tensor_parallel_plan_trains_like_one_process_and_resumes_on_another(cluster, tmp_path):
-    """The planner's best plan of degree 2 (every GPT block's heads and MLP columns split over an A100 pair
-    and a V100 pair), submitted with --plan and stopped half-way, then resumed on the config's own
-    data-parallel plan: the run ends where one process on the full batch ends (clipping and the schedule
-    included), its checkpoints holding the whole model."""
-    cfg = run_config(tmp_path / "runs", "tensor-parallel")
+def searched(cfg: dict, **options) -> list[Plan]:
+    """The placement search's plans for ``cfg``'s 2 A100 + 2 V100 (fp32, emulated), with ``options``."""
     parsed = parse_config(cfg)
     prepared = prepare(parsed)
     types = ["A100-80GB"] * 2 + ["V100-16GB"] * 2
-    plan = search.plan(
+    return search.plan(
         types,
         prepared.catalog,
         prepared.footprint,
@@ -139,9 +135,17 @@ def test_a_tensor_parallel_plan_trains_like_one_process_and_resumes_on_another(c
         topology=topology_for(parsed, prepared.catalog, types),
         precision="fp32",
         emulated=True,
-        tensor_parallel=(2,),
-        top_k=1,
-    )[0]
+        **options,
+    )
+
+
+def test_a_tensor_parallel_plan_trains_like_one_process_and_resumes_on_another(cluster, tmp_path):
+    """The planner's best plan of degree 2 (every GPT block's heads and MLP columns split over an A100 pair
+    and a V100 pair), submitted with --plan and stopped half-way, then resumed on the config's own
+    data-parallel plan: the run ends where one process on the full batch ends (clipping and the schedule
+    included), its checkpoints holding the whole model."""
+    cfg = run_config(tmp_path / "runs", "tensor-parallel")
+    plan = searched(cfg, tensor_parallel=(2,), top_k=1)[0]
     assert plan.tensor_parallel == 2 and len(plan.roles) == 4
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps({**plan.to_dict(), "workload": cfg["workload"]}))
@@ -233,20 +237,7 @@ def test_zero_1_inside_pipelines_trains_like_one_process(cluster, tmp_path):
     cfg = run_config(tmp_path / "runs", "zero-1-pipelines")
     cfg["train"] = {**cfg["train"], "split": "proportional"}
     cfg["optimizer"] = {"zero_stage": 1}
-    parsed = parse_config(cfg)
-    prepared = prepare(parsed)
-    types = ["A100-80GB"] * 2 + ["V100-16GB"] * 2
-    plans = search.plan(
-        types,
-        prepared.catalog,
-        prepared.footprint,
-        global_batch=12,
-        topology=topology_for(parsed, prepared.catalog, types),
-        precision="fp32",
-        emulated=True,
-        zero_stage=1,
-        top_k=20,
-    )
+    plans = searched(cfg, zero_stage=1, top_k=20)
 
     def stages(p: Plan, pipeline: int) -> list:
         return sorted((r.stage, r.gpu_type, r.layers) for r in p.roles if r.pipeline == pipeline)
