@@ -137,24 +137,33 @@ def role_record(r) -> dict:
 
 
 @contextmanager
-def profiled_cluster(steps: int) -> Iterator[RunConfig]:
-    """The throttled cluster up, Ray connected, every device profiled: the run config with its profile, for the
-    benches that measure plans on this cluster. Ray is shut down after."""
-    from rich.console import Console
-
-    cluster = EmulatedCluster(DEVICES, gpus_per_node=2, cpu_share=CPU_SHARE)
+def connected_cluster(devices: dict[str, int], cpu_share: dict[str, float] | None) -> Iterator[None]:
+    """An emulated cluster of ``devices`` (throttled to ``cpu_share``, else padded) up and this process's Ray
+    connected to it; Ray shut down and the cluster stopped after. One per process, entered before anything
+    imports Ray: Ray reads the cluster's environment (its token, loopback) once, at import."""
+    cluster = EmulatedCluster(devices, gpus_per_node=2, cpu_share=cpu_share)
     # Ray reads its authentication mode once, at import: the token must be set before `import ray`.
     os.environ.update(cluster.env)
     import ray
 
-    from hetero_ray.perf.remote import profile_run
-
-    with cluster, tempfile.TemporaryDirectory() as tmp:
+    with cluster:
         ray.init(address=cluster.address, log_to_driver=False)
         try:
-            yield profile_run(config(steps, "throttled"), f"{tmp}/profile.parquet", Console(stderr=True))
+            yield
         finally:
             ray.shutdown()
+
+
+@contextmanager
+def profiled_cluster(steps: int) -> Iterator[RunConfig]:
+    """The throttled cluster up, Ray connected, every device profiled: the run config with its profile, for the
+    benches that measure plans on this cluster."""
+    from rich.console import Console
+
+    with connected_cluster(DEVICES, CPU_SHARE), tempfile.TemporaryDirectory() as tmp:
+        from hetero_ray.perf.remote import profile_run  # imports Ray: after the cluster's environment is set
+
+        yield profile_run(config(steps, "throttled"), f"{tmp}/profile.parquet", Console(stderr=True))
 
 
 def measure(steps: int = 16, mode: str = "throttled") -> list[dict]:
@@ -162,43 +171,35 @@ def measure(steps: int = 16, mode: str = "throttled") -> list[dict]:
     from rich.console import Console
 
     throttled = mode == "throttled"
-    cluster = EmulatedCluster(DEVICES, gpus_per_node=2, cpu_share=CPU_SHARE if throttled else None)
-    # Ray reads its authentication mode once, at import: the token must be set before `import ray`.
-    os.environ.update(cluster.env)
-    import ray
-
-    from hetero_ray.perf.remote import profile_run
-    from hetero_ray.train.trainer import run_training
-
     records = []
-    with cluster, tempfile.TemporaryDirectory() as tmp:
-        ray.init(address=cluster.address, log_to_driver=False)
-        try:
-            cfg = config(steps, mode)
-            if throttled:
-                # One profile, of every device at once (each computing beside the others, as in the runs).
-                cfg = profile_run(cfg, f"{tmp}/profile.parquet", Console(stderr=True))
-            cases = candidate_plans(cfg)
-            for label, cfg, prepared in cases if throttled else stretched(cases):
-                metrics = run_training(cfg, prepared).metrics
-                predicted = prepared.plan.predicted_step_s * (prepared.dilation or 1.0)
-                records.append(
-                    {
-                        "plan": label,
-                        "shape": describe(prepared.plan),
-                        "pipelined": prepared.plan.is_pipelined,
-                        **({} if throttled else {"dilation": prepared.dilation}),
-                        "predicted_step_s": predicted,
-                        "measured_step_s": metrics["step_s"],
-                        "predicted_over_measured": predicted / metrics["step_s"],
-                        "predicted_compute_s": prepared.plan.predicted_compute_s,
-                        "predicted_comm_s": prepared.plan.predicted_comm_s,
-                        "devices": [device_record(d) for d in metrics["devices"]],
-                        "roles": [role_record(r) for r in prepared.plan.roles],
-                    }
-                )
-        finally:
-            ray.shutdown()
+    with connected_cluster(DEVICES, CPU_SHARE if throttled else None), tempfile.TemporaryDirectory() as tmp:
+        # Both import Ray: after the cluster's environment is set.
+        from hetero_ray.perf.remote import profile_run
+        from hetero_ray.train.trainer import run_training
+
+        cfg = config(steps, mode)
+        if throttled:
+            # One profile, of every device at once (each computing beside the others, as in the runs).
+            cfg = profile_run(cfg, f"{tmp}/profile.parquet", Console(stderr=True))
+        cases = candidate_plans(cfg)
+        for label, cfg, prepared in cases if throttled else stretched(cases):
+            metrics = run_training(cfg, prepared).metrics
+            predicted = prepared.plan.predicted_step_s * (prepared.dilation or 1.0)
+            records.append(
+                {
+                    "plan": label,
+                    "shape": describe(prepared.plan),
+                    "pipelined": prepared.plan.is_pipelined,
+                    **({} if throttled else {"dilation": prepared.dilation}),
+                    "predicted_step_s": predicted,
+                    "measured_step_s": metrics["step_s"],
+                    "predicted_over_measured": predicted / metrics["step_s"],
+                    "predicted_compute_s": prepared.plan.predicted_compute_s,
+                    "predicted_comm_s": prepared.plan.predicted_comm_s,
+                    "devices": [device_record(d) for d in metrics["devices"]],
+                    "roles": [role_record(r) for r in prepared.plan.roles],
+                }
+            )
     return records
 
 

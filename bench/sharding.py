@@ -8,10 +8,12 @@
   catalog's memory; not a run.
 - ``uneven_over_even``: on that mix, the largest GPT trainable with memory-proportional ZeRO-3 shards ÷ with
   even shards (ZeRO's and FSDP's rule: every card holds 1/6 of the state), both on all six cards. Modelled.
-- ``three_types``: a memory-bound case on three GPU types (2 × A100-80GB + 4 × V100-16GB + 4 × T4); the
-  planner's best modelled step without ZeRO ÷ its best with ZeRO stages in its space
-  (``optimizer.zero_stage: auto``), with the devices each plan leaves unused: over the whole space
-  (pipelines too), and over data parallelism alone, as for a model the planner may not pipeline. Modelled.
+- ``three_types``: memory-bound cases on three GPU types (2 × A100-80GB + 4 × V100-16GB + 4 × T4, and four
+  times that mix at four times the batch, where the search replicates pipelines); the planner's best
+  modelled step without ZeRO ÷ its best with ZeRO stages in its space (``optimizer.zero_stage: auto``: data
+  parallelism at stages 1-3, ZeRO-1 inside pipelines), with the devices each plan leaves unused: over the
+  whole space (pipelines too), and over data parallelism alone, as for a model the planner may not
+  pipeline. Modelled.
 
 The GPT family: 24 layers, 512 tokens, 128-wide heads; the width grows in steps of 128.
 
@@ -25,8 +27,12 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 
+import plan_accuracy as pa  # this folder's (a script's folder leads sys.path): the emulated clusters benches run
+
 MIX = {"A100-80GB": 2, "V100-16GB": 4}
 THREE = {"A100-80GB": 2, "V100-16GB": 4, "T4": 4}
+# Four times that mix, where the search replicates pipeline kinds and ZeRO-1 can shard within them.
+THREE_X4 = {t: 4 * n for t, n in THREE.items()}
 LAYERS, TOKENS, HEAD = 24, 512, 128
 GLOBAL_BATCH = 64
 
@@ -122,46 +128,64 @@ def capacity(catalog) -> dict:
     }
 
 
-def three_types(catalog, width: int) -> dict:
-    """The planner with and without ZeRO in its space on ``THREE``, for the GPT of ``width``: over its whole
-    space (pipelines and data parallelism), and over data parallelism alone, as for a model it may not
-    pipeline (batch statistics)."""
+def three_types(catalog, width: int, devices: dict[str, int] = THREE, global_batch: int = GLOBAL_BATCH) -> dict:
+    """The planner with and without ZeRO in its space on ``devices``, for the GPT of ``width``: over its whole
+    space (pipelines, ZeRO-1 inside them, and data parallelism at every stage), and over data parallelism
+    alone, as for a model it may not pipeline (batch statistics)."""
     from hetero_ray.plan.data_parallel import fastest_zero_stage, plan_data_parallel
     from hetero_ray.plan.plan import Plan
     from hetero_ray.plan.search import plan
     from hetero_ray.plan.topology import uniform_topology
 
     fp = footprint(width)
-    types = ranks(THREE)
+    types = ranks(devices)
     gbps = 100.0
-    topology = uniform_topology(catalog, THREE, gpus_per_node=4, inter_node_gbps=gbps)
+    topology = uniform_topology(catalog, devices, gpus_per_node=4, inter_node_gbps=gbps)
     # Data parallelism spans the nodes: its collectives run at the NIC's speed.
     link = (gbps * 1e9 / 8, 1e-5)
     sharded = {
-        s: plan_data_parallel(types, catalog, fp, global_batch=GLOBAL_BATCH, link=link, zero_stage=s) for s in (1, 2, 3)
+        s: plan_data_parallel(types, catalog, fp, global_batch=global_batch, link=link, zero_stage=s) for s in (1, 2, 3)
     }
 
     def summary(p) -> dict:
         if not isinstance(p, Plan):
             return {"infeasible": p.reason}
-        used = {t: sum(r.gpu_type == t for r in p.roles) for t in THREE}
+        used = {t: sum(r.gpu_type == t for r in p.roles) for t in devices}
         return {
             "step_s": p.predicted_step_s,
             "zero_stage": p.zero_stage,
             "pipelined": p.is_pipelined,
             "used": used,
-            "unused": {t: n - used[t] for t, n in THREE.items() if n - used[t]},
+            "unused": {t: n - used[t] for t, n in devices.items() if n - used[t]},
             "explanation": p.explanation,
         }
 
-    def compare(max_stages: int) -> dict:
-        searched = plan(
-            types, catalog, fp, global_batch=GLOBAL_BATCH, topology=topology, max_stages=max_stages, top_k=1
+    def searched(max_stages: int, zero_stage: int):
+        found = plan(
+            types,
+            catalog,
+            fp,
+            global_batch=global_batch,
+            topology=topology,
+            max_stages=max_stages,
+            top_k=1,
+            zero_stage=zero_stage,
         )
-        without = searched[0] if isinstance(searched, list) else searched
-        best = fastest_zero_stage({0: without, **sharded})
+        return found[0] if isinstance(found, list) else found
+
+    def compare(max_stages: int) -> dict:
+        without = searched(max_stages, 0)
+        # ZeRO-1 inside pipelines (each stage's Adam state over its replicas) beside data parallelism at stage 1.
+        piped = searched(max_stages, 1) if max_stages > 1 else None
+        stage_1 = min(
+            (p for p in (sharded[1], piped) if isinstance(p, Plan)),
+            key=lambda p: p.predicted_step_s,
+            default=sharded[1],
+        )
+        best = fastest_zero_stage({0: without, **sharded, 1: stage_1})
         return {
             "without_zero": summary(without),
+            **({"zero1_in_pipelines": summary(piped)} if piped is not None else {}),
             "with_zero": summary(best),
             "without_over_with": without.predicted_step_s / best.predicted_step_s
             if isinstance(without, Plan) and isinstance(best, Plan)
@@ -169,9 +193,9 @@ def three_types(catalog, width: int) -> dict:
         }
 
     return {
-        "devices": THREE,
+        "devices": devices,
         "kind": "modelled (catalog speeds, efficiency 0.4; costs measured on the meta device)",
-        "case": f"GPT width {width} ({fp.param_count / 1e9:.2f} G parameters), global batch {GLOBAL_BATCH}; "
+        "case": f"GPT width {width} ({fp.param_count / 1e9:.2f} G parameters), global batch {global_batch}; "
         f"nodes of 4 GPUs, {gbps:g} Gbit/s between them",
         "zero_steps_s": {s: p.predicted_step_s if isinstance(p, Plan) else None for s, p in sharded.items()},
         "whole_space": compare(8),
@@ -236,7 +260,6 @@ def confirm(steps: int) -> dict:
     charging each rank what it holds), and the planner's plan for it without sharding."""
     import tempfile
 
-    from hetero_ray.cluster.emulation import EmulatedCluster
     from hetero_ray.plan.data_parallel import plan_data_parallel
     from hetero_ray.plan.plan import Plan
 
@@ -245,23 +268,13 @@ def confirm(steps: int) -> dict:
         widths = {"zero3": largest_small(3, catalog), "unsharded": largest_small(0, catalog)}
         fp = small_footprint(widths["zero3"])
         unsharded = plan_data_parallel(ranks(MIX), catalog, fp, global_batch=12, precision="fp32")
-        cluster = EmulatedCluster(MIX, gpus_per_node=2)
-        import os
+        with pa.connected_cluster(MIX, None):
+            from hetero_ray.train.prepare import prepare
+            from hetero_ray.train.trainer import run_training
 
-        os.environ.update(cluster.env)
-        import ray
-
-        from hetero_ray.train.prepare import prepare
-        from hetero_ray.train.trainer import run_training
-
-        with cluster:
-            ray.init(address=cluster.address, log_to_driver=False)
-            try:
-                cfg = run_config("sharding-confirm", widths["zero3"], f"{tmp}/gpus.yaml", 3, steps, tmp)
-                prepared = prepare(cfg)
-                metrics = run_training(cfg, prepared).metrics
-            finally:
-                ray.shutdown()
+            cfg = run_config("sharding-confirm", widths["zero3"], f"{tmp}/gpus.yaml", 3, steps, tmp)
+            prepared = prepare(cfg)
+            metrics = run_training(cfg, prepared).metrics
     params = {k: small_footprint(w).param_count for k, w in widths.items()}
     return {
         "kind": "emulated, padded, memory caps; every card's memory ÷ " + str(MEMORY_SCALE),
@@ -288,12 +301,6 @@ def confirm(steps: int) -> dict:
 def measured(steps: int) -> list[dict]:
     """``bench/plan_accuracy.py``'s throttled cluster, profiled, then one run each without ZeRO, at ZeRO-2 and at
     ZeRO-3, side by side: the planner's predicted step ÷ the measured one."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import plan_accuracy as pa
-
     records = []
     with pa.profiled_cluster(steps) as profiled:
         from hetero_ray.train.prepare import prepare
@@ -353,7 +360,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         }
     # The largest GPT an A100-80GB holds whole, and the largest ZeRO-3 trains on the two-type mix (none whole).
     widths = out["capacity"]["width"]
-    out["three_types"] = [three_types(catalog, widths[k]) for k in ("unsharded_on_some", "zero3_by_memory_on_all")]
+    out["three_types"] = [
+        *(three_types(catalog, widths[k]) for k in ("unsharded_on_some", "zero3_by_memory_on_all")),
+        three_types(catalog, widths["zero3_by_memory_on_all"], THREE_X4, 4 * GLOBAL_BATCH),
+    ]
     text = json.dumps(out, indent=2)
     print(text)
     if args.json_out:
