@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.perf.footprint import Footprint
 from hetero_ray.plan.cost import activation_scale, p2p_seconds, stage_compute_seconds, tp_allreduce_seconds
-from hetero_ray.plan.memory import ADAM_STATE_BYTES, in_flight, stage_memory_bytes
+from hetero_ray.plan.memory import in_flight, stage_memory_bytes
 from hetero_ray.plan.search import (
     MICRO_BATCHES,
     Group,
@@ -74,22 +74,18 @@ def kind_options(
                     msgs += p2p_seconds(layers[j - 1].output_bytes_per_sample * scale, m, *links[s])
                 choices = []
                 params = sum(c.params for c in span)
-                # ZeRO-1: the other replicas of the kind hold the rest of this stage's Adam state.
-                sharded_away = params * ADAM_STATE_BYTES * (1 - 1 / space.state_shards(replicas))
                 for ckpt in (False, True):
-                    memory = (
-                        stage_memory_bytes(
-                            params,
-                            [c.activation_bytes_per_sample for c in span],
-                            inputs,
-                            optimizer=space.optimizer,
-                            world=2,
-                            micro_batch=m,
-                            in_flight=in_flight(space.schedule, S, S, s),
-                            scale=scale,
-                            checkpointing=ckpt,
-                        )
-                        - sharded_away
+                    memory = stage_memory_bytes(
+                        params,
+                        [c.activation_bytes_per_sample for c in span],
+                        inputs,
+                        optimizer=space.optimizer,
+                        world=2,
+                        state_shards=space.state_shards(replicas),
+                        micro_batch=m,
+                        in_flight=in_flight(space.schedule, S, S, s),
+                        scale=scale,
+                        checkpointing=ckpt,
                     )
                     if memory <= specs[t].memory_bytes:
                         flops = m * sum(c.flops_per_sample for c in span)

@@ -7,12 +7,9 @@ import math
 from collections import Counter
 from dataclasses import replace
 
-import numpy as np
-
-from hetero_ray.plan.memory import activation_bytes, in_flight
+from hetero_ray.plan.memory import in_flight, stage_memory_bytes
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
 from hetero_ray.plan.search import Allocation, Group, Shape, Space
-from hetero_ray.plan.stages import static_matrix
 
 GiB = 2**30
 
@@ -41,13 +38,13 @@ def _role(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int
         local_batch, micro = units * split.micro, split.micro
         flight = in_flight(space.schedule, units, split.stages, s)
         layers, busy = (i, j), units * split.compute_seconds[s]
-    # The search's static bytes (ZeRO-1's shard of Adam's state included), then the saved activations.
-    static = static_matrix(
-        np.array(table.params[j] - table.params[i]), space.optimizer, pipelines, space.state_shards(g.replicas)
-    )
-    memory = float(static) + activation_bytes(
+    memory = stage_memory_bytes(
+        int(table.params[j] - table.params[i]),
         list(table.act[i + 1 : j + 1] - table.act[i:j]),
         list(table.inputs[i + 1 : j + 1] - table.inputs[i:j]),
+        optimizer=space.optimizer,
+        world=pipelines,
+        state_shards=space.state_shards(g.replicas),
         micro_batch=micro,
         in_flight=flight,
         scale=table.scale,

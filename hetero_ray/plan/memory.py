@@ -18,14 +18,15 @@ ADAM_STATE_BYTES = 8
 SCHEDULES = ("1f1b", "gpipe")
 
 
-def static_bytes(params: int, optimizer: str, world: int) -> float:
+def static_bytes(params: int, optimizer: str, world: int, state_shards: int = 1) -> float:
     """Weights, gradients and optimizer state of ``params`` parameters, all fp32.
 
     ``onebit_adam`` / ``zero_one_adam`` also keep DeepSpeed's compression error
     buffers: a worker error of ``padded_numel(params, world)`` fp32 elements and a
-    server error of 1/world of that.
+    server error of 1/world of that. ``state_shards``: ZeRO-1 within a pipeline kind, Adam's
+    moments split evenly over that many replicas of the stage (weights and gradients stay whole).
     """
-    total = params * (WEIGHT_AND_GRAD_BYTES + ADAM_STATE_BYTES)
+    total = params * (WEIGHT_AND_GRAD_BYTES + ADAM_STATE_BYTES / state_shards)
     if optimizer in ONEBIT_OPTIMIZERS:
         padded = padded_numel(params, max(world, 1))
         total += 4 * padded + 4 * (padded // max(world, 1))
@@ -82,9 +83,10 @@ def stage_memory_bytes(
     in_flight: int,
     scale: float,
     checkpointing: bool,
+    state_shards: int = 1,
 ) -> float:
-    """Peak bytes on a device: static state plus saved activations."""
-    return static_bytes(params, optimizer, world) + activation_bytes(
+    """Peak bytes on a device: static state (``static_bytes``) plus saved activations."""
+    return static_bytes(params, optimizer, world, state_shards) + activation_bytes(
         layer_activation_bytes,
         layer_input_bytes,
         micro_batch=micro_batch,

@@ -177,10 +177,7 @@ def type_table(
 
 
 def static_matrix(params: np.ndarray, optimizer: str, world: int, state_shards: int = 1) -> np.ndarray:
-    """``memory.static_bytes`` for every range's parameter count (vectorised).
-
-    ``state_shards``: ZeRO-1 within a pipeline kind, Adam's moments split evenly over that many replicas of
-    the stage, so a device holds 1/``state_shards`` of them (weights and gradients stay whole)."""
+    """``memory.static_bytes`` for every range's parameter count (vectorised), ``state_shards`` as there."""
     total = params * (WEIGHT_AND_GRAD_BYTES + ADAM_STATE_BYTES / state_shards)
     if optimizer in ONEBIT_OPTIMIZERS:
         w = max(world, 1)
