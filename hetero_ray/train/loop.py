@@ -151,15 +151,16 @@ def train_worker(config: dict[str, Any]) -> None:
     # Weights, gradients and optimizer state this rank holds: under ZeRO what every rank holds whole, and its
     # shard's fraction of the rest (the optimizer's slices are the shard); a stage, its layers' weights and
     # gradients and Adam's state of what its optimizer holds (its shard under ZeRO-1).
-    held_whole, sharded = zero_bytes(footprint, zero_stage)
-    static_bytes = int(held_whole + sharded * sync.optimizer_elements / footprint.param_count)
-    if stage is not None:
+    if stage is None:
+        held_whole, sharded = zero_bytes(footprint, zero_stage)
+        static_bytes = int(held_whole + sharded * sync.optimizer_elements / footprint.param_count)
+    elif zero_stage:
         static_bytes = (
             stage.static_bytes(STATIC_BYTES_PER_PARAM - OPTIMIZER_STATE_BYTES_PER_PARAM)
             + OPTIMIZER_STATE_BYTES_PER_PARAM * sync.optimizer_elements
-            if zero_stage
-            else stage.static_bytes(STATIC_BYTES_PER_PARAM)
         )
+    else:
+        static_bytes = stage.static_bytes(STATIC_BYTES_PER_PARAM)
     # gloo's threads leave the device's slice (they are its host's). A thread is named only once it runs, so
     # those of the groups just made may not show yet: again after the first step.
     free_comm_threads(device_slice)

@@ -378,10 +378,10 @@ def gather_whole_state(
     part = None
     role = roles[rank]
     names, order = _whole_names(model)
+    first = role is not None and role.pipeline == 0
     # Sharded (ZeRO-1), every rank gives its slices and each stage's first replica, pipeline 0's, gets the whole.
-    sharded = getattr(sync, "sharded", None) is not None
-    optimizer = sync.state_dict() if sharded else None
-    if role is not None and role.pipeline == 0:
+    optimizer = sync.state_dict() if first or getattr(sync, "sharded", None) is not None else None
+    if first:
         # By tensor, not by module path: a layer may be a wrapper the model does not hold (the cut points of
         # transformers' models), and a tied tensor has a key per name.
         keys: dict[int, list[str]] = {}
@@ -389,7 +389,6 @@ def gather_whole_state(
             keys.setdefault(id(t), []).append(k)
         modules = {id(m): name for name, m in model.named_modules()}
         params = list(model.parameters())
-        optimizer = optimizer if sharded else sync.state_dict()
         state = {id(params[i]): s for i, s in optimizer["state"].items()}
         tensors, states, shards = {}, {}, {}
         # Pipeline 0 may be one whole-model replica beside staged pipelines.

@@ -98,9 +98,7 @@ class TorchAdam:
             rank, chunks = dist.get_rank(), self.grads.chunks
             group, owners = shard_group or (None, range(world))
             weights = shard_weights or [1.0] * world
-            shards = Shards.by_weight(
-                sum(c.flat.numel() for c in chunks), [weights[r] for r in owners], tuple(owners) if shard_group else ()
-            )
+            shards = Shards.by_weight(sum(c.flat.numel() for c in chunks), [weights[r] for r in owners], owners)
             if zero_stage >= 2:
                 self.grads.reduce_to_owners(shards, rank)
             self.sharded = ShardedParameters(

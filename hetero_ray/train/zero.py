@@ -131,11 +131,16 @@ class Shards:
         """``(global rank, lo, hi)`` of every owner of part of ``[start, start + length)``, as offsets from
         ``start``, in order of offsets."""
         out = []
-        for i in range(self.world):
+        for i, owner in enumerate(self.owners):
             lo, hi = max(self.bounds[i], start), min(self.bounds[i + 1], start + length)
             if lo < hi:
-                out.append((self.ranks[i] if self.ranks else i, lo - start, hi - start))
+                out.append((owner, lo - start, hi - start))
         return out
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        """The owners' global ranks, in order of their ranges."""
+        return self.ranks or tuple(range(self.world))
 
     @property
     def world(self) -> int:
@@ -160,9 +165,10 @@ class ShardedParameters:
     """This rank's slices of every chunk (``params`` for its optimizer), the broadcasts that share updates and,
     under stage 3, the gathers of whole layers.
 
-    ``chunks``: ``(params, gradient)`` pairs in the flattened order; ``shards`` name their owners, whose process
-    group is ``group`` (``None``: the world; a pipeline stage's data-parallel replicas otherwise). The gradient is the chunk's flat summed one
-    at stage 1, this rank's piece of it at stages 2 and 3 (``None`` where it owns none). The parameters are
+    ``chunks``: ``(params, gradient)`` pairs in the flattened order; ``shards`` name their owners, whose
+    process group is ``group`` (``None``: the world; a pipeline stage's data-parallel replicas otherwise). The
+    gradient is the chunk's flat summed one at stage 1, this rank's piece of it at stages 2 and 3 (``None``
+    where it owns none). The parameters are
     moved into one flat tensor per chunk (their ``.data`` become views), so the slices share their storage
     (stages 1 and 2). ``launches``: where stage 3's gathers are recorded, as the gradient buckets' reduces are.
     """
@@ -275,21 +281,18 @@ class ShardedParameters:
             self.gathering = True
             self.release(everything)
 
-    @property
-    def gatherer(self) -> int:
-        """The rank ``whole_state`` assembles on: the shards' first owner (rank 0 over the world)."""
-        return self.shards.pieces(0, self.shards.bounds[-1])[0][0]
-
     def whole_state(self, state: Sequence[dict], positions: Sequence[int]) -> list[tuple[int, dict]] | None:
         """AdamW's state of every parameter, keyed by position (``positions``: of each chunk parameter in the
-        model, flattened order), assembled on ``gatherer`` from the group's slices (``state``: this rank's, per
-        slice); ``None`` elsewhere. Every rank of the group must call it: it is one ``gather_object``."""
-        gatherer = self.gatherer
+        model, flattened order), assembled on the shards' first owner (rank 0 over the world) from the group's
+        slices (``state``: this rank's, per slice); ``None`` elsewhere. Every rank of the group must call it: it
+        is one ``gather_object``."""
+        gatherer = self.shards.owners[0]
         parts: list | None = [None] * self.shards.world if self.rank == gatherer else None
         dist.gather_object(list(state), parts, dst=gatherer, group=self.group)
         if self.rank != gatherer:
             return None
-        ordered = sorted(self.slices, key=lambda s: (s.rank, s.chunk))  # how each rank listed its own
+        # By rank, as gather_object lists a group's ranks, then as each rank listed its own.
+        ordered = sorted(self.slices, key=lambda s: (s.rank, s.chunk))
         got = dict(zip(map(id, ordered), (x for part in parts for x in part)))
         out, position = [], iter(positions)
         for c, params in enumerate(self.layout):
