@@ -7,29 +7,20 @@ blocks' heads and MLP columns unevenly; every plan must end where full-batch Ada
 
 from __future__ import annotations
 
-import copy
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
-from ranks import one_process, run_ranks, worker_role
+from ranks import one_process, run_pipelined, run_ranks, worker_role
 
 from hetero_ray.config import parse_config
-from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.pipeline import (
-    Stage,
-    gather_whole_state,
     gradient_buckets,
     layer_holders,
-    local_optimizer_state,
     part_holders,
-    pipeline_group,
     sub_pipelines,
-    tensor_group,
     tensor_members,
 )
-from hetero_ray.train.sync import TorchAdam
 from hetero_ray.workloads import build_workload
 from hetero_ray.workloads.tensor_parallel import TensorParallelBlock
 
@@ -96,36 +87,14 @@ MIXED = [
 
 
 def tp_rank_main(rank: int, world: int, roles, schedule: str, steps=range(STEPS), resume=None, clip=None) -> dict:
-    """``steps`` of ``roles``' plan; ``resume``: a gathered whole (model, optimizer) state to start from, loaded
-    as the built-in loop loads a checkpoint (the model before the shards are cut, the optimizer after);
-    ``clip``: ``train.grad_clip``."""
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+    """``steps`` of ``roles``' plan (``run_pipelined``); ``resume``: a gathered whole (model, optimizer) state to
+    start from; ``clip``: ``train.grad_clip``."""
     cfg = parse_config({**CONFIG, "train": {**CONFIG["train"], "grad_clip": clip}})
-    torch.manual_seed(SEED)
-    workload = build_workload("gpt", OPTIONS)
-    model, cpu, role = workload.model, torch.device("cpu"), roles[rank]
-    if resume:
-        # Spawned ranks get the parent's tensors in shared memory: a copy of its own, as from a file.
-        resume = copy.deepcopy(resume)
-        model.load_state_dict(resume[0])
-    group, ranks = pipeline_group(roles, rank)
-    tp = tensor_group(roles, rank)
-    # The stage cuts its shards into the model before the buckets and the optimizer see its parameters.
-    stage = Stage(workload, role, group, ranks, GLOBAL_BATCH, cpu, None, schedule, tp_group=tp)
-    layers = list(workload.layered.layers(model))
-    sync = TorchAdam(model, cfg, cpu, "fp32", gradient_buckets(layers, roles, rank), tp_degree=role.tp_degree)
-    if resume:
-        sync.load_state_dict(local_optimizer_state(model, resume[1]))
-    batches = GlobalBatches(len(workload.dataset), GLOBAL_BATCH, SEED)
-    losses = []
-    for step in steps:
-        loss_sum, _ = stage.step(batches.indices(step), None, sync)
-        losses.append(sync.step(loss_sum, False).loss_total / GLOBAL_BATCH)
+    run = run_pipelined(rank, roles, cfg, OPTIONS, schedule, steps, resume)
     return {
-        "losses": losses,
-        "whole": gather_whole_state(model, layers, sync, roles, rank),
-        "heads": [layer.n_head for layer in stage.module if isinstance(layer, TensorParallelBlock)],
+        "losses": run.losses,
+        "whole": run.whole,
+        "heads": [layer.n_head for layer in run.stage.module if isinstance(layer, TensorParallelBlock)],
     }
 
 
@@ -180,17 +149,7 @@ def test_a_run_resumes_on_another_split_or_none(first: str, then: str | None, ex
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     whole = run_ranks(tp_rank_main, len(roles), tmp_path / "a", roles, schedule, range(half))[0]["whole"]
     if then is None:  # one process, as the data-parallel format loads anywhere
-        torch.manual_seed(SEED)
-        workload = build_workload("gpt", OPTIONS)
-        workload.model.load_state_dict(whole[0])
-        opt = torch.optim.AdamW(workload.model.parameters(), lr=LR, weight_decay=0.0)
-        opt.load_state_dict(whole[1])
-        batches = GlobalBatches(len(workload.dataset), GLOBAL_BATCH, SEED)
-        for step in range(half, STEPS):
-            workload.loss_fn(workload.model, collate(workload.dataset, batches.indices(step))).backward()
-            opt.step()
-            opt.zero_grad()
-        model = workload.model.state_dict()
+        _, model, _ = one_process(OPTIONS, GLOBAL_BATCH, STEPS, SEED, LR, resume=(half, *whole))
     else:
         schedule, roles = PLANS[then]
         results = run_ranks(tp_rank_main, len(roles), tmp_path / "b", roles, schedule, range(half, STEPS), whole)

@@ -9,25 +9,10 @@ gradient is summed over all three pipelines while its Adam state is sharded over
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
-import torch.distributed as dist
-from ranks import one_process, run_ranks, worker_role
+from ranks import one_process, run_pipelined, run_ranks, worker_role
 
 from hetero_ray.config import parse_config
-from hetero_ray.train.data import GlobalBatches, collate
-from hetero_ray.train.pipeline import (
-    Stage,
-    gather_whole_state,
-    gradient_buckets,
-    local_optimizer_state,
-    pipeline_group,
-    shard_group,
-)
-from hetero_ray.train.sync import TorchAdam
-from hetero_ray.workloads import build_workload
 
 OPTIONS = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "corpus_bytes": 50_000}
 GLOBAL_BATCH, STEPS, SEED, LR = 12, 4, 5, 1e-3
@@ -58,38 +43,16 @@ THREE_ALIKE = [
 
 
 def zero_rank_main(rank: int, world: int, roles, zero_stage: int, steps=range(STEPS), resume=None) -> dict:
-    """``steps`` of ``roles``' pipelined plan at ``zero_stage`` (0 or 1) from ``resume`` (a gathered whole
-    (model, optimizer) state, loaded as the built-in loop loads a checkpoint); the losses, the whole state
-    gathered as a checkpoint is, this rank's Adam moments (elements of one moment) and its stage's parameters."""
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    cfg = parse_config(CONFIG)
-    torch.manual_seed(SEED)
-    workload = build_workload("gpt", OPTIONS)
-    model, cpu, role = workload.model, torch.device("cpu"), roles[rank]
-    if resume:
-        resume = copy.deepcopy(resume)  # spawned ranks share the parent's tensors: a copy of its own
-        model.load_state_dict(resume[0])
-    group, ranks = pipeline_group(roles, rank)
-    runner = Stage(workload, role, group, ranks, GLOBAL_BATCH, cpu, None, "1f1b")
-    layers = list(workload.layered.layers(model))
-    buckets = gradient_buckets(layers, roles, rank)
-    shards = shard_group(roles, rank) if zero_stage else None
-    sync = TorchAdam(model, cfg, cpu, "fp32", buckets, zero_stage=zero_stage, shard_group=shards)
-    if resume:
-        sync.load_state_dict(local_optimizer_state(model, resume[1]))
-    batches = GlobalBatches(len(workload.dataset), GLOBAL_BATCH, SEED)
-    losses = []
-    for step in steps:
-        loss_sum, _ = runner.step(batches.indices(step), None, sync)
-        losses.append(sync.step(loss_sum, False).loss_total / GLOBAL_BATCH)
-    moments = sum(s["exp_avg"].numel() for s in sync.optimizer.state.values())
+    """``steps`` of ``roles``' pipelined plan at ``zero_stage`` (``run_pipelined``) from ``resume`` (a gathered
+    whole (model, optimizer) state); the losses, the whole state gathered as a checkpoint is, this rank's Adam
+    moments (elements of one moment), its stage's parameters and its shard group."""
+    run = run_pipelined(rank, roles, parse_config(CONFIG), OPTIONS, "1f1b", steps, resume, zero_stage)
     return {
-        "losses": losses,
-        "whole": gather_whole_state(model, layers, sync, roles, rank),
-        "moments": moments,
-        "stage_params": sum(p.numel() for p in runner.module.parameters()),
-        "shard_ranks": shards[1] if shards else None,
+        "losses": run.losses,
+        "whole": run.whole,
+        "moments": sum(s["exp_avg"].numel() for s in run.sync.optimizer.state.values()),
+        "stage_params": sum(p.numel() for p in run.stage.module.parameters()),
+        "shard_ranks": run.shard_ranks,
     }
 
 
@@ -146,15 +109,6 @@ def test_zero_1_pipeline_checkpoint_resumes_on_three_pipelines_sharded_in_thirds
 
 def test_zero_1_pipeline_checkpoint_resumes_in_one_process(halfway, expected) -> None:
     """The gathered state is plain AdamW's, by position: one process loads it and ends where it would have."""
-    torch.manual_seed(SEED)
-    workload = build_workload("gpt", OPTIONS)
-    workload.model.load_state_dict(halfway[0])
-    opt = torch.optim.AdamW(workload.model.parameters(), lr=LR, weight_decay=0.0)
-    opt.load_state_dict(halfway[1])
-    batches = GlobalBatches(len(workload.dataset), GLOBAL_BATCH, SEED)
-    for step in range(STEPS // 2, STEPS):
-        workload.loss_fn(workload.model, collate(workload.dataset, batches.indices(step))).backward()
-        opt.step()
-        opt.zero_grad()
+    _, model, _ = one_process(OPTIONS, GLOBAL_BATCH, STEPS, SEED, LR, resume=(STEPS // 2, *halfway))
     for k, t in expected[1].items():
-        assert float((workload.model.state_dict()[k] - t).abs().max()) <= 1e-5, k
+        assert float((model[k] - t).abs().max()) <= 1e-5, k
