@@ -257,6 +257,32 @@ def test_profiler_measures_a_tiny_workload_on_this_cpu():
     assert [d for d, _ in progress] == sorted(d for d, _ in progress)
 
 
+def test_profiler_keeps_computing_after_its_last_point_until_told_to_stop():
+    """A device profiled beside slower ones keeps the host as busy as training will: after its last timed step
+    it steps on, untimed, asking ``until`` before each step, and returns once it says every device is done."""
+    events: list[str] = []
+
+    def counted():
+        workload = tiny_gpt()
+        loss_fn = workload.loss_fn
+
+        def loss(model, batch):
+            events.append("step")
+            return loss_fn(model, batch)
+
+        return dataclasses.replace(workload, loss_fn=loss)
+
+    def until() -> bool:
+        events.append("ask")
+        return events.count("ask") == 3
+
+    spec = ProfileSpec(micro_batches=(1, 2), warmup=1, repeats=2)
+    steps = spec.steps(False)
+    profile(counted, spec, workload_name="gpt", options=TINY, until=until)
+    # The timed points' steps (the memory probe's included), then two more, each after a question.
+    assert events == ["step"] * steps + ["ask", "step", "ask", "step", "ask"]
+
+
 def test_profiler_prices_an_emulated_device_with_its_model_and_enforces_its_memory(catalog):
     v100 = catalog.get("V100-16GB")
     small = dataclasses.replace(v100, name="V100-tiny", memory_gib=1e-3)

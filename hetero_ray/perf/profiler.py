@@ -236,12 +236,15 @@ def profile(
     options: Mapping[str, Any],
     target: Target = Target(),
     on_progress: ProgressFn | None = None,
+    until: Callable[[], bool] | None = None,
 ) -> ProfileResult:
     """Measure ``factory()``'s training step at every (micro-batch, precision) of ``spec`` on ``target``.
 
     ``factory`` builds the workload (the same for every precision; seeded here);
     ``workload_name`` and ``options`` identify it in the rows. ``on_progress(done,
     total)`` is called after every step, with ``total`` fixed from the start.
+    ``until``: after the last timed step, keep stepping (untimed) until it returns True, for devices
+    profiled together (see ``perf/remote.py``).
     """
     emulated = target.emulated is not None
     modelled = emulated and target.emulated.padded
@@ -259,6 +262,7 @@ def profile(
 
     rows: list[Measurement] = []
     skipped: list[Skipped] = []
+    supported = [p for p in spec.precisions if not _unsupported(p, target)]
     with _threads(spec.threads, target.device):
         for precision in spec.precisions:
             reason = _unsupported(precision, target)
@@ -267,7 +271,8 @@ def profile(
                 advance(spec.steps(modelled))
                 continue
             with _tf32(precision, target.device):
-                points, lost = _profile_precision(factory, spec, precision, target, advance)
+                last = precision == supported[-1]
+                points, lost = _profile_precision(factory, spec, precision, target, advance, until if last else None)
             skipped += lost
             identity = {
                 "workload": workload_name,
@@ -284,7 +289,12 @@ def profile(
 
 
 def _profile_precision(
-    factory: Callable[[], Workload], spec: ProfileSpec, precision: str, target: Target, advance: Callable[..., None]
+    factory: Callable[[], Workload],
+    spec: ProfileSpec,
+    precision: str,
+    target: Target,
+    advance: Callable[..., None],
+    until: Callable[[], bool] | None,
 ) -> tuple[list[dict[str, Any]], list[Skipped]]:
     """Measured fields per micro-batch at one precision, and the points skipped."""
     device, emu = target.device, target.emulated
@@ -351,6 +361,12 @@ def _profile_precision(
             ]
             times[b].append(sum(run) / block[b])
             advance()
+    if until is not None and batches:
+        # Devices profiled together share the host as they share it in training; one that stopped when its own
+        # points were done would leave the slower ones timed on a quieter host than any step of the run sees.
+        batch = batches[max(batches)]
+        while not until():
+            _step(workload, model, optimizer, batch, precision, device)
     source = CUDA_MEMORY if device.type == "cuda" else HOST_MEMORY
     return [_fields(b, times[b], memory[b], source, repeats=len(times[b])) for b in batches], skipped
 

@@ -57,7 +57,7 @@ def cluster_gpu_types() -> dict[str, bool]:
 class _TypeProfiler:
     """Runs the profiler on the node Ray placed it on."""
 
-    def run(self, payload: dict[str, Any], queue: Any) -> ProfileResult:
+    def run(self, payload: dict[str, Any], queue: Any, stop: Any) -> ProfileResult:
         catalog = load_catalog(payload["gpus_file"])
         gpu_type, emulated = worker_gpu_type(catalog)
         emulation = None
@@ -78,6 +78,7 @@ class _TypeProfiler:
             options=options,
             target=Target(gpu_type=gpu_type, device=torch_device(emulated), emulated=emulation),
             on_progress=lambda done, total: queue.put_nowait((payload["label"], done, total)),
+            until=lambda: not stop.empty(),
         )
 
 
@@ -97,7 +98,8 @@ def profile_cluster(
 
     ``gpu_types`` (type → emulated?) defaults to every labelled type alive;
     ``per_type`` profiles that many devices of a type at once (every device of a run: each is timed
-    while the others compute, as in training, and every one's rows go to the history);
+    while the others compute, as in training, and every one's rows go to the history); a device done before
+    the others keeps computing until the last is done;
     ``flops_per_sample`` and ``efficiency`` price emulated devices.
     ``on_progress(device, done, total)`` is called as steps finish (``device``: a label from ``device_labels``).
     """
@@ -110,6 +112,9 @@ def profile_cluster(
             f"--labels {GPU_TYPE_LABEL}=<catalog name> (cluster.yaml does)"
         )
     queue = Queue(actor_options={"num_cpus": 0})
+    # Set once every device has run its last timed step: until then the early ones keep the host as busy as
+    # training will.
+    stop = Queue(actor_options={"num_cpus": 0})
     payload = {
         "workload": workload,
         "options": dict(options),
@@ -123,22 +128,30 @@ def profile_cluster(
     for label, gpu_type in labels.items():
         resources = {"num_cpus": 1, "resources": {EMULATED_RESOURCE: 1}} if types[gpu_type] else {"num_gpus": 1}
         actors.append(_TypeProfiler.options(label_selector={GPU_TYPE_LABEL: gpu_type}, **resources).remote())
-        pending[actors[-1].run.remote({**payload, "label": label}, queue)] = label
+        pending[actors[-1].run.remote({**payload, "label": label}, queue, stop)] = label
     results: dict[str, ProfileResult] = {}
+    timed: set[str] = set()
     try:
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
-            while on_progress is not None and not queue.empty():
+            while not queue.empty():
                 try:
-                    on_progress(*queue.get_nowait())
+                    label, steps, total = queue.get_nowait()
                 except Empty:
                     break
+                if steps == total:
+                    timed.add(label)
+                if on_progress is not None:
+                    on_progress(label, steps, total)
+            if len(timed | set(results)) == len(labels) and stop.empty():
+                stop.put_nowait(True)
             for ref in done:
                 results[pending.pop(ref)] = ray.get(ref)
     finally:
         for actor in actors:
             ray.kill(actor)
         queue.shutdown()
+        stop.shutdown()
     return ClusterProfile(
         measurements=tuple(m for label in labels for m in results[label].measurements),
         skipped={t: results[next(k for k, v in labels.items() if v == t)].skipped for t in types},
