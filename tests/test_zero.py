@@ -198,6 +198,51 @@ def test_uneven_shards_train_as_one_process_hold_only_their_shard_and_resume_els
     assert max_diff(resumed[0]["whole"][0], want_model) <= 1e-5
 
 
+def whole_layers_ranks(rank: int, world: int) -> dict:
+    """Stage 3 on ``world`` ranks, one step: at the start of each layer's forward and backward, which layers
+    have their parameters whole (gathered, or on their way)."""
+    dist.init_process_group("gloo")
+    torch.manual_seed(SEED)
+    workload = build_workload("gpt", OPTIONS)
+    layers = list(workload.layered.layers(workload.model))
+    sync = TorchAdam(
+        workload.model, config(), torch.device("cpu"), "fp32", shard_weights=[1.0] * world, zero_stage=3, layers=layers
+    )
+
+    def whole() -> list[int]:
+        return [k for k, layer in enumerate(layers) if all(p.untyped_storage().nbytes() for p in layer.parameters())]
+
+    seen: dict[str, list] = {"forward": [], "backward": []}
+    for k, layer in enumerate(layers):
+        # Registered after the engine's hooks, so these run after its gathers.
+        layer.register_forward_pre_hook(lambda _m, _a, k=k: seen["forward"].append((k, whole())))
+
+        def on_output(_m, _a, output, k=k):
+            output.register_hook(lambda _g: seen["backward"].append((k, whole())))
+
+        layer.register_forward_hook(on_output)
+    batch = collate(workload.dataset, list(range(4)))
+    sync.arm()
+    sync.backward(workload.loss_fn(workload.model, batch))
+    sync.step(0.0, False)
+    return {**seen, "after": whole()}
+
+
+def test_zero_3_sends_the_next_layers_gather_ahead_and_holds_two_layers_at_most(tmp_path):
+    """FSDP's prefetch: as a layer starts its forward (its backward), the next layer's (the previous layer's)
+    parameters are already on their way, so the gather travels while the layer computes; no more than those two
+    layers are whole at once, as the planner budgets, and none after the step."""
+    for out in run_ranks(whole_layers_ranks, 2, tmp_path):
+        n = len(out["forward"])
+        assert out["forward"] == [(k, [k, k + 1] if k + 1 < n else [k]) for k in range(n)]
+        # The backward of layer k starts once the gradient of its output arrives; layer k + 1's gradients may
+        # still be on the wire then (its parameters freed chunk by chunk as they leave).
+        for k, held in out["backward"]:
+            assert {k, k - 1} & set(range(n)) <= set(held) <= {k + 1, k, k - 1}, (k, held)
+        assert [k for k, _ in out["backward"]] == list(reversed(range(n)))
+        assert out["after"] == []
+
+
 def test_zero_3_refuses_models_it_cannot_gather_layer_by_layer():
     """Stage 3 needs layers, each parameter in one of them; stage 2 takes what it gets."""
     torch.manual_seed(SEED)

@@ -15,7 +15,9 @@ the parameters.
   passes, the chunk's ``.grad`` of the slice.
 - Stage 3: also the parameters. Chunks are cut at the workload's layers; a rank keeps its slices apart and
   the flat parameters of a layer exist only while it is gathered: for its forward, and again from the moment
-  the gradient of its output arrives until its gradients have left (``gather_per_layer``). Freeing shrinks
+  the gradient of its output arrives until its gradients have left (``gather_per_layer``). The next layer's
+  gather is sent as a layer starts (forward and backward), so it travels while the layer computes: at most
+  two layers are whole at once, as the planner budgets (FSDP's forward and backward prefetch). Freeing shrinks
   the flat tensor's storage to nothing and gathering regrows the same storage, so the parameters' views and
   autograd's saved references to them stay valid (FSDP1's trick).
 
@@ -189,6 +191,7 @@ class ShardedParameters:
         self.slices: list[_Slice] = []
         self.params: list[nn.Parameter] = []
         self.mine: dict[int, tuple[_Slice, nn.Parameter]] = {}  # chunk → this rank's slice of it
+        self.in_flight: dict[int, list[dist.Work]] = {}  # stage 3: chunk → its gather's broadcasts, not yet awaited
         self.gathering = zero_stage == 3  # off while every layer is whole (``whole``)
         start = 0
         for c, (params, grad) in enumerate(chunks):
@@ -217,56 +220,80 @@ class ShardedParameters:
         together)."""
         self._broadcast(self.slices)
 
-    def _broadcast(self, slices: Iterable[_Slice]) -> None:
-        works = [
-            dist.broadcast(self.flats[s.chunk][s.lo : s.hi], src=s.rank, group=self.group, async_op=True)
-            for s in slices
-        ]
-        for work in works:
-            work.wait()
+    def _send(self, slices: Iterable[_Slice]) -> dict[int, list[dist.Work]]:
+        """One async broadcast per slice; its work, by chunk."""
+        works: dict[int, list[dist.Work]] = {}
+        for s in slices:
+            view = self.flats[s.chunk][s.lo : s.hi]
+            works.setdefault(s.chunk, []).append(dist.broadcast(view, src=s.rank, group=self.group, async_op=True))
+        return works
 
-    def gather(self, chunks: Iterable[int]) -> None:
+    def _broadcast(self, slices: Iterable[_Slice]) -> None:
+        for works in self._send(slices).values():
+            for work in works:
+                work.wait()
+
+    def gather(self, chunks: Iterable[int], *, wait: bool = True) -> None:
         """Stage 3: the whole parameters of ``chunks`` from their owners' slices (one broadcast per slice, all in
-        flight together), recorded in ``launches`` as the ring all-gather it equals; chunks already whole stay.
-        Every rank must call it alike."""
+        flight together), recorded in ``launches`` as the ring all-gather it equals; chunks already whole or on
+        their way are not sent again. ``wait``: return once they have arrived (else they travel on, and the
+        next gather that asks for them waits). Every rank must call it alike."""
+        chunks = tuple(chunks)
         start, missing = time.perf_counter(), {c for c in chunks if not _resident(self.flats[c])}
-        if not missing:
-            return
         for c in missing:
             flat = self.flats[c]
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             if c in self.mine:
                 piece, mine = self.mine[c]
                 flat[piece.lo : piece.hi].copy_(mine.detach())
-        self._broadcast(s for s in self.slices if s.chunk in missing)
-        world = self.shards.world
-        nbytes = sum(self.flats[c].numel() * self.flats[c].element_size() for c in missing)
-        self.launches.append(Launch(start, ring_allreduce_bytes(nbytes, world) / 2, world - 1))
+        if missing:
+            self.in_flight.update(self._send(s for s in self.slices if s.chunk in missing))
+            world = self.shards.world
+            nbytes = sum(self.flats[c].numel() * self.flats[c].element_size() for c in missing)
+            self.launches.append(Launch(start, ring_allreduce_bytes(nbytes, world) / 2, world - 1))
+        if wait:
+            for c in chunks:
+                for work in self.in_flight.pop(c, ()):
+                    work.wait()
 
     def release(self, chunks: Iterable[int]) -> None:
-        """Stage 3: free the whole parameters of ``chunks`` (this rank's slices stay)."""
+        """Stage 3: free the whole parameters of ``chunks`` (this rank's slices stay); a gather still on its way
+        into one (sent ahead for a layer that did not run) lands first."""
         for c in chunks:
+            for work in self.in_flight.pop(c, ()):
+                work.wait()
             free_storage(self.flats[c])
 
     def gather_per_layer(self, layers: Sequence[nn.Module], chunks_of: Sequence[Sequence[int]]) -> None:
-        """Stage 3: gather each layer's chunks (``chunks_of``, by layer) before its forward and release them after
-        it; gather them again when the gradient of its output arrives, i.e. before its backward. The backward's
-        release is chunk by chunk, once a chunk's gradients have all arrived (``GradBuckets.on_launch``): its
-        parameters are needed by nothing after that."""
-        for layer, chunks in zip(layers, chunks_of):
-            layer.register_forward_pre_hook(functools.partial(self._before_forward, tuple(chunks)))
-            layer.register_forward_hook(functools.partial(self._after_forward, tuple(chunks)))
+        """Stage 3: gather each layer's chunks (``chunks_of``, by layer, in forward order) before its forward and
+        release them after it; gather them again when the gradient of its output arrives, i.e. before its
+        backward. Each of these gathers sends the next layer's (the one after in the forward, the one before in
+        the backward) without waiting for it. The backward's release is chunk by chunk, once a chunk's
+        gradients have all arrived (``GradBuckets.on_launch``): its parameters are needed by nothing after
+        that."""
+        chunks_of = [tuple(c) for c in chunks_of]
+        for k, (layer, chunks) in enumerate(zip(layers, chunks_of)):
+            after = chunks_of[k + 1] if k + 1 < len(chunks_of) else ()
+            before = chunks_of[k - 1] if k > 0 else ()
+            layer.register_forward_pre_hook(functools.partial(self._before_forward, chunks, after))
+            layer.register_forward_hook(functools.partial(self._after_forward, chunks, before))
 
-    def _before_forward(self, chunks: tuple[int, ...], _module: nn.Module, _args) -> None:
+    def _gather_and_send_next(self, chunks: tuple[int, ...], following: tuple[int, ...]) -> None:
+        self.gather(chunks)
+        self.gather(following, wait=False)
+
+    def _before_forward(self, chunks: tuple[int, ...], after: tuple[int, ...], _module: nn.Module, _args) -> None:
         if self.gathering:
-            self.gather(chunks)
+            self._gather_and_send_next(chunks, after)
 
-    def _after_forward(self, chunks: tuple[int, ...], _module: nn.Module, _args, output) -> None:
+    def _after_forward(
+        self, chunks: tuple[int, ...], before: tuple[int, ...], _module: nn.Module, _args, output
+    ) -> None:
         if not self.gathering:
             return
         self.release(chunks)
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda _grad: self.gather(chunks))
+            output.register_hook(lambda _grad: self._gather_and_send_next(chunks, before))
 
     @contextmanager
     def whole(self) -> Iterator[None]:
