@@ -117,10 +117,10 @@ def describe(plan) -> str:
 
 
 def device_record(d: dict) -> dict:
-    """What one worker measured: its step, the compute inside it and its gradient sync."""
-    return {k: d[k] for k in ("rank", "gpu_type", "local_batch", "micro_batch", "step_s", "comm_s")} | {
-        "busy_s": d["utilisation"] * d["step_s"]
-    }
+    """What one worker measured: its step, the compute inside it and its gradient sync, and how often the host's
+    loopback delivered a message later than the named link would have (``comm_overruns``)."""
+    keys = ("rank", "gpu_type", "local_batch", "micro_batch", "step_s", "comm_s", "comm_overruns")
+    return {k: d[k] for k in keys} | {"busy_s": d["utilisation"] * d["step_s"]}
 
 
 def role_record(r) -> dict:

@@ -345,7 +345,7 @@ def fresh_process(fn: Callable, *args):
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json-out", default=None)
-    parser.add_argument("--steps", type=int, default=8, help="steps of each emulated run")
+    parser.add_argument("--steps", type=int, default=16, help="steps of each emulated run")
     parser.add_argument("--no-measure", action="store_true", help="the modelled figures alone")
     args = parser.parse_args(argv)
     from hetero_ray.cluster.catalog import load_catalog
