@@ -20,7 +20,6 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.checkpoint import checkpoint
 
 from hetero_ray.cluster.emulated_device import EmulatedDevice, PaddedModule
@@ -181,9 +180,6 @@ def tensor_group(roles: Sequence[WorkerRole | None], rank: int) -> dist.ProcessG
     return mine
 
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
 class _Checkpointed(nn.Module):
     """A layer whose activations are recomputed in the backward instead of kept."""
 
@@ -241,6 +237,10 @@ class Stage:
         precision: str = "fp32",
         tp_group: dist.ProcessGroup | None = None,
     ):
+        # Imported here: torch.distributed.pipelining (and DTensor under it) adds about a second to the start of
+        # every worker and driver, most of which never run a pipeline.
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
         layered = workload.layered
         layers = list(layered.layers(workload.model))
         first, last = role.layers or (0, len(layers))
@@ -269,7 +269,8 @@ class Stage:
             return layered.output_loss(output, target) * (role.micro_batch / global_batch)
 
         self.global_batch = global_batch
-        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches=self.n_micro, loss_fn=loss_fn, scale_grads=False)
+        schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+        self.schedule = schedules[schedule](self.stage, n_microbatches=self.n_micro, loss_fn=loss_fn, scale_grads=False)
 
     def static_bytes(self, bytes_per_param: int) -> int:
         return sum(p.numel() for p in self.module.parameters()) * bytes_per_param
