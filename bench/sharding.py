@@ -132,7 +132,7 @@ def three_types(catalog, width: int, devices: dict[str, int] = THREE, global_bat
     """The planner with and without ZeRO in its space on ``devices``, for the GPT of ``width``: over its whole
     space (pipelines, ZeRO-1 inside them, and data parallelism at every stage), and over data parallelism
     alone, as for a model it may not pipeline (batch statistics)."""
-    from hetero_ray.plan.data_parallel import fastest_zero_stage, plan_data_parallel
+    from hetero_ray.plan.data_parallel import fastest_zero_stage, plan_data_parallel, zero_stage_plans
     from hetero_ray.plan.plan import Plan
     from hetero_ray.plan.search import plan
     from hetero_ray.plan.topology import uniform_topology
@@ -174,18 +174,13 @@ def three_types(catalog, width: int, devices: dict[str, int] = THREE, global_bat
         return found[0] if isinstance(found, list) else found
 
     def compare(max_stages: int) -> dict:
-        without = searched(max_stages, 0)
-        # ZeRO-1 inside pipelines (each stage's Adam state over its replicas) beside data parallelism at stage 1.
-        piped = searched(max_stages, 1) if max_stages > 1 else None
-        stage_1 = min(
-            (p for p in (sharded[1], piped) if isinstance(p, Plan)),
-            key=lambda p: p.predicted_step_s,
-            default=sharded[1],
-        )
-        best = fastest_zero_stage({0: without, **sharded, 1: stage_1})
+        placed = {0: searched(max_stages, 0), 1: searched(max_stages, 1) if max_stages > 1 else []}
+        without = placed[0]
+        ranked = {s: zero_stage_plans(s, placed.get, sharded.get) for s in (1, 2, 3)}
+        best = fastest_zero_stage({0: without, **{s: p[0] if isinstance(p, list) else p for s, p in ranked.items()}})
         return {
             "without_zero": summary(without),
-            **({"zero1_in_pipelines": summary(piped)} if piped is not None else {}),
+            **({"zero1_in_pipelines": summary(placed[1])} if max_stages > 1 else {}),
             "with_zero": summary(best),
             "without_over_with": without.predicted_step_s / best.predicted_step_s
             if isinstance(without, Plan) and isinstance(best, Plan)

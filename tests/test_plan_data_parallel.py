@@ -19,6 +19,7 @@ from hetero_ray.plan.data_parallel import (
     plan_data_parallel,
     split_batch,
     zero_comm_seconds,
+    zero_stage_plans,
 )
 from hetero_ray.plan.plan import Infeasible, Plan, WorkerRole
 from hetero_ray.train.precision import choose_precision
@@ -438,3 +439,28 @@ def test_the_zero_plan_is_the_optimum_of_an_exhaustive_walk_over_stages_shares_a
         assert isinstance(best, Infeasible)
         return
     assert best.predicted_step_s <= optimum * (1 + 1e-9)
+
+
+def test_each_zero_stage_weighs_the_kinds_of_plan_that_run_at_it():
+    """Stage 0: the placement search's plans alone; 1: those (ZeRO-1 inside pipelines) beside data parallelism
+    sharded by memory, fastest first; 2 and 3: the latter alone; none fitting: every kind's reason."""
+
+    def step(seconds: float) -> Plan:
+        return Plan(global_batch=1, split="proportional", emulated=False, roles=(), predicted_compute_s=seconds)
+
+    asked: list[tuple[str, int]] = []
+
+    def placed(stage: int) -> list[Plan]:
+        asked.append(("placed", stage))
+        return [step(3.0), step(1.0)]
+
+    def sharded(stage: int) -> Plan:
+        asked.append(("sharded", stage))
+        return step(2.0)
+
+    assert [p.predicted_step_s for p in zero_stage_plans(0, placed, sharded)] == [1.0, 3.0]
+    assert [p.predicted_step_s for p in zero_stage_plans(1, placed, sharded)] == [1.0, 2.0, 3.0]
+    assert [p.predicted_step_s for p in zero_stage_plans(3, placed, sharded)] == [2.0]
+    assert asked == [("placed", 0), ("placed", 1), ("sharded", 1), ("sharded", 3)]
+    none = zero_stage_plans(1, lambda _: Infeasible("no pipeline fits"), lambda _: Infeasible("no shard fits"))
+    assert none == Infeasible("no pipeline fits; no shard fits")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from hetero_ray.cluster.catalog import Catalog, GpuSpec
@@ -167,6 +167,26 @@ def fastest_zero_stage(candidates: Mapping[int, Plan | Infeasible]) -> Plan | In
     ]
     why = f"ZeRO stage {stage} ({chosen.predicted_step_s * 1e3:.4g} ms) against {', '.join(others)}"
     return replace(chosen, explanation=f"{chosen.explanation}; {why}")
+
+
+def zero_stage_plans(
+    zero_stage: int,
+    placed: Callable[[int], Plan | list[Plan] | Infeasible],
+    sharded: Callable[[int], Plan | Infeasible],
+) -> list[Plan] | Infeasible:
+    """The plans at ``zero_stage``, fastest first, or why none fits (every kind's reason).
+
+    ``placed(stage)``: the placement search's at stages 0 and 1 (at 1 it shards each pipeline stage's Adam state
+    over its replicas; stages 2 and 3 reduce and gather on every pass, which would tie the pipelines' schedules
+    together); ``sharded(stage)``: data parallelism sharded by memory, at stages 1 to 3.
+    """
+    found = [placed(zero_stage)] if zero_stage <= 1 else []
+    if zero_stage >= 1:
+        found.append(sharded(zero_stage))
+    plans = [p for f in found for p in ([f] if isinstance(f, Plan) else f if isinstance(f, list) else [])]
+    if plans:
+        return sorted(plans, key=lambda p: p.predicted_step_s)
+    return Infeasible("; ".join(f.reason for f in found if isinstance(f, Infeasible)))
 
 
 def zero_comm_seconds(

@@ -19,7 +19,7 @@ from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.config import OPTIMIZERS, ZERO_STAGES, ConfigError
 from hetero_ray.output import check_output, write_json
 from hetero_ray.perf.footprint import Footprint, measure_footprint
-from hetero_ray.plan.data_parallel import fastest_zero_stage, plan_data_parallel
+from hetero_ray.plan.data_parallel import fastest_zero_stage, plan_data_parallel, zero_stage_plans
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
 from hetero_ray.plan.search import plan, powers_of_two
 from hetero_ray.plan.topology import Topology, uniform_topology
@@ -138,25 +138,19 @@ def search(
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
-    def at_stage(zero_stage: int) -> list[Plan] | Infeasible:
-        """The stage's plans, fastest first, or why none fits."""
-        found = [placed(zero_stage)] if zero_stage <= 1 else []
-        if zero_stage >= 1:
-            sharded = plan_data_parallel(
-                rank_types,
-                catalog,
-                footprint,
-                global_batch=req.global_batch,
-                efficiency=req.efficiency,
-                link=topology.inter(set(rank_types)),
-                zero_stage=zero_stage,
-            )
-            found.append([sharded] if isinstance(sharded, Plan) else sharded)
-        plans = sorted((p for f in found if isinstance(f, list) for p in f), key=lambda p: p.predicted_step_s)
-        return plans or Infeasible("; ".join(f.reason for f in found if isinstance(f, Infeasible)))
+    def sharded(zero_stage: int) -> Plan | Infeasible:
+        return plan_data_parallel(
+            rank_types,
+            catalog,
+            footprint,
+            global_batch=req.global_batch,
+            efficiency=req.efficiency,
+            link=topology.inter(set(rank_types)),
+            zero_stage=zero_stage,
+        )
 
     stages = (0, 1, 2, 3) if req.zero_stage == "auto" else (req.zero_stage,)
-    ranked = {s: at_stage(s) for s in stages}
+    ranked = {s: zero_stage_plans(s, placed, sharded) for s in stages}
     if len(stages) == 1:
         result = ranked[stages[0]]
         if isinstance(result, Infeasible):

@@ -21,7 +21,7 @@ from hetero_ray.perf.history import load as load_history
 from hetero_ray.perf.history import options_hash
 from hetero_ray.perf.model import fit_perf_model
 from hetero_ray.plan import search
-from hetero_ray.plan.data_parallel import fastest_zero_stage, plan_data_parallel
+from hetero_ray.plan.data_parallel import fastest_zero_stage, plan_data_parallel, zero_stage_plans
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
 from hetero_ray.plan.plan_file import load_plan
 from hetero_ray.plan.stages import MeasuredSpeeds
@@ -185,12 +185,8 @@ def plan_for(
         return plans if isinstance(plans, Infeasible) else plans[0]
 
     def at_stage(zero_stage: int) -> Plan | Infeasible:
-        if zero_stage == 0:
-            return searched(0)
-        if zero_stage > 1:
-            return data_parallel(zero_stage)
-        fits = [p for p in (data_parallel(1), searched(1)) if isinstance(p, Plan)]
-        return min(fits, key=lambda p: p.predicted_step_s) if fits else data_parallel(1)
+        plans = zero_stage_plans(zero_stage, searched, data_parallel)
+        return plans[0] if isinstance(plans, list) else plans
 
     plan = fastest_zero_stage({k: at_stage(k) for k in (0, 1, 2, 3)}) if stage == "auto" else at_stage(stage)
     if isinstance(plan, Infeasible):
