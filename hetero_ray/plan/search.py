@@ -89,6 +89,11 @@ class Group:
     dp_micro_cap: int  # one-stage kinds: the largest micro-batch that fits
     unit: int  # samples per allocation unit: a micro-batch for pipelines, one sample for data parallelism
 
+    @property
+    def nodes(self) -> int:
+        """The nodes its replicas span: as many replicas share a node as the stage that packs fewest allows."""
+        return -(-self.replicas // min(self.local))
+
     @functools.cached_property
     def bound_terms(self) -> tuple[float, float, float, float]:
         """(samples per round of units, their rate, their offset, fill) for ``allocation_bound``."""
@@ -191,7 +196,7 @@ def comm_seconds(
     pipelines = sum(g.replicas for g in groups)
     if pipelines <= 1:
         return 0.0
-    nodes = sum(-(-g.replicas // min(g.local)) for g in groups)
+    nodes = sum(g.nodes for g in groups)
     inter = topology.inter({t for g in groups for t in g.split.stage_types})
     return max(
         group_comm_seconds(
@@ -245,7 +250,7 @@ def zero_gather_seconds(groups: Sequence[Group], topology: Topology) -> float:
                 g,
                 topology,
                 g.replicas,
-                -(-g.replicas // min(g.local)),
+                g.nodes,
                 topology.inter(set(g.split.stage_types)),
                 compressed=False,
                 wire_bytes=4.0,
@@ -506,7 +511,7 @@ def block_lower_bounds(space: Space, fixed: Sequence[Group], options) -> np.ndar
     if space.optimizer in ONEBIT_OPTIMIZERS:
         return np.where(valid, bound, np.inf)
     pipelines = summed(lambda g: g.replicas)
-    nodes = summed(lambda g: -(-g.replicas // min(g.local)))
+    nodes = summed(lambda g: g.nodes)
     topo = space.topology
 
     def nic(g: Group) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +53,7 @@ class TorchAdam:
     rank alike. Under ZeRO (``zero_stage``, ``train/zero.py``) a rank's AdamW holds its
     shard's slices alone; at stage 2 the gradients are reduced to their owners pass by pass
     and kept there alone, at stage 3 the parameters too (``layers``: the workload's, which
-    chunks are cut at and gathered by; ``whole_weights`` for a use that needs the whole model;
+    chunks are cut at and gathered by; an evaluation's forwards gather as training's do, ``model_state`` copies the model for a checkpoint;
     a checkpoint's weights go into the model before, since stage 3 keeps only its slices of them).
     In a pipelined plan (stage 1 only) the shards span the replicas of the rank's stage (``shard_group``).
     Optimizer state is saved by position in ``model.parameters()``, so a checkpoint loads on
@@ -93,10 +92,10 @@ class TorchAdam:
         self.link = link
         self.zero_stage = zero_stage
         self.sharded = None
+        group, owners = shard_group or (None, range(world))
         # A stage without replicas (a shard group of one) holds its state whole, outside any collective.
-        if zero_stage and (shard_group is None or len(shard_group[1]) > 1):
+        if zero_stage and (shard_group is None or len(owners) > 1):
             rank, chunks = dist.get_rank(), self.grads.chunks
-            group, owners = shard_group or (None, range(world))
             weights = shard_weights or [1.0] * world
             shards = Shards.by_weight(sum(c.flat.numel() for c in chunks), [weights[r] for r in owners], owners)
             if zero_stage >= 2:
@@ -160,10 +159,17 @@ class TorchAdam:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         self.grads.end_pass()
 
-    def whole_weights(self) -> AbstractContextManager:
-        """Every parameter whole inside (under ZeRO-3 gathered, and released after; every rank must enter it
-        alike): for ``model.state_dict()`` and evaluation forwards."""
-        return self.sharded.whole() if self.zero_stage == 3 else nullcontext()
+    def model_state(self, model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor] | None:
+        """A copy of the whole model's state dict if ``keep`` (else ``None``). Under ZeRO-3 every rank must call
+        it alike: the parameters are gathered a chunk at a time into host copies, so a checkpoint never holds the
+        whole model on the device at once."""
+        if self.zero_stage != 3:
+            return {k: v.clone() for k, v in model.state_dict().items()} if keep else None
+        copies = self.sharded.host_copies(keep)
+        if not keep:
+            return None
+        state = model.state_dict(keep_vars=True)
+        return {k: copies[id(v)] if id(v) in copies else v.detach().clone() for k, v in state.items()}
 
     def step(self, loss_sum: float, stop: bool) -> Synced:
         """Finish the gradient all-reduces, agree on loss, stop, finiteness and the gradient's norm, then clip
@@ -405,9 +411,9 @@ class DeepSpeedOnebit:
     def arm(self, passes: int = 1) -> None:
         """Nothing to start early: DeepSpeed reduces in its step, in its own buckets."""
 
-    def whole_weights(self) -> AbstractContextManager:
-        """Nothing to gather: without ZeRO every rank holds its parameters whole."""
-        return nullcontext()
+    def model_state(self, model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor] | None:
+        """A copy of the whole model's state dict if ``keep`` (else ``None``)."""
+        return {k: v.clone() for k, v in model.state_dict().items()} if keep else None
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
