@@ -60,8 +60,7 @@ def whole(sync: TorchAdam, model: nn.Module) -> tuple[dict, dict | None]:
     """The whole model state, and on rank 0 the whole optimizer state (``None`` elsewhere), gathered as the loop
     checkpoints them; every rank must call it."""
     optimizer_state = sync.state_dict()
-    with sync.whole_weights():
-        return {k: v.clone() for k, v in model.state_dict().items()}, optimizer_state
+    return sync.model_state(model), optimizer_state
 
 
 def train_ranks(
@@ -225,13 +224,24 @@ def whole_layers_ranks(rank: int, world: int) -> dict:
     sync.arm()
     sync.backward(workload.loss_fn(workload.model, batch))
     sync.step(0.0, False)
-    return {**seen, "after": whole()}
+    after = whole()
+    # A checkpoint's copy of the model: never more than one chunk whole on the device.
+    held, gather = [], sync.sharded.gather
+    resident = lambda: sum(f.untyped_storage().nbytes() > 0 for f in sync.sharded.flats)  # noqa: E731
+    sync.sharded.gather = lambda chunks, **kw: (gather(chunks, **kw), held.append(resident()))
+    state = sync.model_state(workload.model)
+    after_copy = whole()
+    sync.sharded.gather = gather
+    gather(range(len(sync.sharded.flats)))
+    same = all(torch.equal(state[k], v) for k, v in workload.model.state_dict().items())
+    return {**seen, "after": after, "checkpoint_holds": max(held), "checkpoint_after": after_copy, "same": same}
 
 
 def test_zero_3_sends_the_next_layers_gather_ahead_and_holds_two_layers_at_most(tmp_path):
     """FSDP's prefetch: as a layer starts its forward (its backward), the next layer's (the previous layer's)
     parameters are already on their way, so the gather travels while the layer computes; no more than those two
-    layers are whole at once, as the planner budgets, and none after the step."""
+    layers are whole at once, as the planner budgets, and none after the step. A checkpoint's copy gathers one
+    chunk at a time and equals the whole model."""
     for out in run_ranks(whole_layers_ranks, 2, tmp_path):
         n = len(out["forward"])
         assert out["forward"] == [(k, [k, k + 1] if k + 1 < n else [k]) for k in range(n)]
@@ -241,6 +251,7 @@ def test_zero_3_sends_the_next_layers_gather_ahead_and_holds_two_layers_at_most(
             assert {k, k - 1} & set(range(n)) <= set(held) <= {k + 1, k, k - 1}, (k, held)
         assert [k for k, _ in out["backward"]] == list(reversed(range(n)))
         assert out["after"] == []
+        assert out["checkpoint_holds"] == 1 and out["checkpoint_after"] == [] and out["same"]
 
 
 def test_zero_3_refuses_models_it_cannot_gather_layer_by_layer():

@@ -243,8 +243,11 @@ def train_worker(config: dict[str, Any]) -> None:
         last = step + 1 == cfg.train.steps or synced.stop
         if cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or last):
             held_out = torch.arange(len(workload.dataset) - held, len(workload.dataset))
-            with sync.whole_weights():
-                evaluated = (step, evaluate(model, workload, held_out, roles, rank, device, precision))
+            alike = plan.zero_stage == 3
+            evaluated = (
+                step,
+                evaluate(model, workload, held_out, roles, rank, device, precision, forwards_alike=alike),
+            )
         if (step + 1) % cfg.train.report_every == 0 or (step + 1) % cfg.train.checkpoint_every == 0 or last:
             history.append((step, loss))
             save = (step + 1) % cfg.train.checkpoint_every == 0 or last
@@ -337,22 +340,32 @@ def equal_passes(roles: Sequence[WorkerRole | None], zero_stage: int) -> int | N
 
 
 @torch.no_grad()
-def evaluate(model, workload, indices: torch.Tensor, roles, rank: int, device, precision) -> float:
+def evaluate(
+    model, workload, indices: torch.Tensor, roles, rank: int, device, precision, *, forwards_alike: bool = False
+) -> float:
     """The mean loss over ``indices`` (held-out samples) of the whole model in evaluation mode (BatchNorm on its
     running statistics): the ranks with samples each take an even part, in their micro-batch size; every rank
-    must call it (one all-reduce)."""
+    must call it (one all-reduce). ``forwards_alike``: every rank runs as many forwards as the rank with the
+    most, the extra ones on one sample and not counted (ZeRO-3, whose forwards gather each layer from all)."""
     holders = [r for r, role in enumerate(roles) if role is not None]
+    parts = torch.tensor_split(indices, len(holders))
+    mine = list(torch.split(parts[holders.index(rank)], roles[rank].micro_batch)) if rank in holders else []
+    if forwards_alike:
+        most = max(-(-len(part) // roles[r].micro_batch) for r, part in zip(holders, parts))
+        mine += [None] * (most - len(mine))
     total = torch.zeros(1, dtype=torch.float64)
-    if rank in holders:
-        mine = torch.tensor_split(indices, len(holders))[holders.index(rank)]
-        model.eval()
-        try:
-            for part in torch.split(mine, roles[rank].micro_batch):
-                batch = tree_map(lambda t: t.to(device), collate(workload.dataset, part))
+    model.eval()
+    try:
+        with torch.no_grad():
+            for part in mine:
+                batch = tree_map(
+                    lambda t: t.to(device), collate(workload.dataset, indices[:1] if part is None else part)
+                )
                 with autocast(precision, device):
-                    total += float(workload.loss_fn(model, batch)) * len(part)
-        finally:
-            model.train()
+                    loss = float(workload.loss_fn(model, batch))
+                total += 0.0 if part is None else loss * len(part)
+    finally:
+        model.train()
     dist.all_reduce(total)
     return float(total) / len(indices)
 
@@ -452,8 +465,7 @@ def _whole_state(model, workload, sync, roles, rank, plan: Plan) -> tuple[dict, 
     if plan.is_pipelined:
         return gather_whole_state(model, list(workload.layered.layers(model)), sync, roles, rank)
     optimizer_state = sync.state_dict()  # on every rank: a sharded optimizer gathers its state to rank 0
-    with sync.whole_weights():  # on every rank: ZeRO-3 gathers the parameters, and releases them after
-        model_state = {k: v.clone() for k, v in model.state_dict().items()} if rank == 0 else None
+    model_state = sync.model_state(model, keep=rank == 0)  # on every rank: ZeRO-3 gathers chunk by chunk
     return (model_state, optimizer_state) if rank == 0 else None
 
 

@@ -33,8 +33,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -192,7 +191,6 @@ class ShardedParameters:
         self.params: list[nn.Parameter] = []
         self.mine: dict[int, tuple[_Slice, nn.Parameter]] = {}  # chunk → this rank's slice of it
         self.in_flight: dict[int, list[dist.Work]] = {}  # stage 3: chunk → its gather's broadcasts, not yet awaited
-        self.gathering = zero_stage == 3  # off while every layer is whole (``whole``)
         start = 0
         for c, (params, grad) in enumerate(chunks):
             flat = torch.cat([p.detach().reshape(-1) for p in params])
@@ -283,30 +281,28 @@ class ShardedParameters:
         self.gather(following, wait=False)
 
     def _before_forward(self, chunks: tuple[int, ...], after: tuple[int, ...], _module: nn.Module, _args) -> None:
-        if self.gathering:
-            self._gather_and_send_next(chunks, after)
+        self._gather_and_send_next(chunks, after)
 
     def _after_forward(
         self, chunks: tuple[int, ...], before: tuple[int, ...], _module: nn.Module, _args, output
     ) -> None:
-        if not self.gathering:
-            return
         self.release(chunks)
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda _grad: self._gather_and_send_next(chunks, before))
 
-    @contextmanager
-    def whole(self) -> Iterator[None]:
-        """Stage 3: every parameter whole inside (a checkpoint's ``state_dict``, an evaluation), the per-layer
-        gathers off; released after. Every rank must enter it alike."""
-        everything = range(len(self.flats))
-        self.gather(everything)
-        self.gathering = False
-        try:
-            yield
-        finally:
-            self.gathering = True
-            self.release(everything)
+    def host_copies(self, keep: bool = True) -> dict[int, torch.Tensor]:
+        """Stage 3: a copy on the host of every parameter (by ``id``; none unless ``keep``), gathered a chunk at a
+        time and released again, so no more than one chunk beyond those already whole is whole at once. Every
+        rank must call it alike."""
+        copies: dict[int, torch.Tensor] = {}
+        for c, params in enumerate(self.layout):
+            whole = _resident(self.flats[c]) and c not in self.in_flight
+            self.gather([c])
+            if keep:
+                copies.update((id(p), p.detach().to("cpu", copy=True)) for p in params)
+            if not whole:
+                self.release([c])
+        return copies
 
     def whole_state(self, state: Sequence[dict], positions: Sequence[int]) -> list[tuple[int, dict]] | None:
         """AdamW's state of every parameter, keyed by position (``positions``: of each chunk parameter in the
