@@ -131,6 +131,7 @@ def profile_cluster(
         pending[actors[-1].run.remote({**payload, "label": label}, queue, stop)] = label
     results: dict[str, ProfileResult] = {}
     timed: set[str] = set()
+    stopped = False
     try:
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
@@ -143,8 +144,9 @@ def profile_cluster(
                     timed.add(label)
                 if on_progress is not None:
                     on_progress(label, steps, total)
-            if len(timed | set(results)) == len(labels) and stop.empty():
+            if not stopped and len(timed | set(results)) == len(labels):
                 stop.put_nowait(True)
+                stopped = True
             for ref in done:
                 results[pending.pop(ref)] = ray.get(ref)
     finally:

@@ -243,6 +243,7 @@ def train_worker(config: dict[str, Any]) -> None:
         last = step + 1 == cfg.train.steps or synced.stop
         if cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or last):
             held_out = torch.arange(len(workload.dataset) - held, len(workload.dataset))
+            # ZeRO-3's forwards gather each layer from every rank.
             alike = plan.zero_stage == 3
             evaluated = (
                 step,
@@ -356,14 +357,11 @@ def evaluate(
     total = torch.zeros(1, dtype=torch.float64)
     model.eval()
     try:
-        with torch.no_grad():
-            for part in mine:
-                batch = tree_map(
-                    lambda t: t.to(device), collate(workload.dataset, indices[:1] if part is None else part)
-                )
-                with autocast(precision, device):
-                    loss = float(workload.loss_fn(model, batch))
-                total += 0.0 if part is None else loss * len(part)
+        for part in mine:
+            batch = tree_map(lambda t: t.to(device), collate(workload.dataset, indices[:1] if part is None else part))
+            with autocast(precision, device):
+                loss = float(workload.loss_fn(model, batch))
+            total += 0.0 if part is None else loss * len(part)
     finally:
         model.train()
     dist.all_reduce(total)

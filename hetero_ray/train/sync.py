@@ -37,6 +37,11 @@ class Synced:
     launches: tuple[Launch, ...] = ()
 
 
+def copy_state(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor] | None:
+    """A copy of ``model``'s state dict, held whole on this rank, if ``keep`` (else ``None``)."""
+    return {k: v.clone() for k, v in model.state_dict().items()} if keep else None
+
+
 class TorchAdam:
     """AdamW on the full-batch mean gradient, SUM all-reduced bucket by bucket as the backward fills them.
 
@@ -53,8 +58,8 @@ class TorchAdam:
     rank alike. Under ZeRO (``zero_stage``, ``train/zero.py``) a rank's AdamW holds its
     shard's slices alone; at stage 2 the gradients are reduced to their owners pass by pass
     and kept there alone, at stage 3 the parameters too (``layers``: the workload's, which
-    chunks are cut at and gathered by; an evaluation's forwards gather as training's do, ``model_state`` copies the model for a checkpoint;
-    a checkpoint's weights go into the model before, since stage 3 keeps only its slices of them).
+    chunks are cut at and gathered by; an evaluation's forwards gather as training's do, and ``model_state``
+    copies the model for a checkpoint; a checkpoint's weights go into the model before, since stage 3 keeps only its slices of them).
     In a pipelined plan (stage 1 only) the shards span the replicas of the rank's stage (``shard_group``).
     Optimizer state is saved by position in ``model.parameters()``, so a checkpoint loads on
     any plan and any ZeRO stage.
@@ -164,7 +169,7 @@ class TorchAdam:
         it alike: the parameters are gathered a chunk at a time into host copies, so a checkpoint never holds the
         whole model on the device at once."""
         if self.zero_stage != 3:
-            return {k: v.clone() for k, v in model.state_dict().items()} if keep else None
+            return copy_state(model, keep)
         copies = self.sharded.host_copies(keep)
         if not keep:
             return None
@@ -413,7 +418,7 @@ class DeepSpeedOnebit:
 
     def model_state(self, model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor] | None:
         """A copy of the whole model's state dict if ``keep`` (else ``None``)."""
-        return {k: v.clone() for k, v in model.state_dict().items()} if keep else None
+        return copy_state(model, keep)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)

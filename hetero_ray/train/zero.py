@@ -251,16 +251,19 @@ class ShardedParameters:
             self.launches.append(Launch(start, ring_allreduce_bytes(nbytes, world) / 2, world - 1))
         if wait:
             for c in chunks:
-                for work in self.in_flight.pop(c, ()):
-                    work.wait()
+                self._land(c)
 
     def release(self, chunks: Iterable[int]) -> None:
         """Stage 3: free the whole parameters of ``chunks`` (this rank's slices stay); a gather still on its way
         into one (sent ahead for a layer that did not run) lands first."""
         for c in chunks:
-            for work in self.in_flight.pop(c, ()):
-                work.wait()
+            self._land(c)
             free_storage(self.flats[c])
+
+    def _land(self, chunk: int) -> None:
+        """Wait for a gather of ``chunk`` still on its way, if any."""
+        for work in self.in_flight.pop(chunk, ()):
+            work.wait()
 
     def gather_per_layer(self, layers: Sequence[nn.Module], chunks_of: Sequence[Sequence[int]]) -> None:
         """Stage 3: gather each layer's chunks (``chunks_of``, by layer, in forward order) before its forward and
