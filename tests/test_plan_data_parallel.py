@@ -180,7 +180,7 @@ def test_type_that_cannot_hold_one_sample_is_excluded(catalog: Catalog) -> None:
     assert [(r.gpu_type, r.local_batch, r.micro_batch) for r in plan.roles] == [(A100, 36, 3), (A100, 36, 3)]
     [excluded] = plan.excluded
     assert (excluded.gpu_type, excluded.count) == (V100, 4)
-    assert "21.0 GiB" in excluded.reason and "16 GiB" in excluded.reason
+    assert "needs 21 GiB" in excluded.reason and "16 GiB" in excluded.reason
     assert V100 in plan.explanation and "excluded" in plan.explanation
 
 
@@ -189,7 +189,7 @@ def test_all_types_excluded_is_infeasible_naming_the_largest_device(catalog: Cat
     result = plan_data_parallel([V100, A100], catalog, footprint(200), global_batch=8)
     assert isinstance(result, Infeasible)
     assert "\n" not in result.reason
-    assert "101.0 GiB" in result.reason
+    assert "needs 101 GiB" in result.reason
     assert f"({A100}) has 80 GiB" in result.reason
 
 
@@ -304,9 +304,7 @@ def test_zero_1_prices_the_parameter_all_gather_and_says_when_the_state_fits_now
         param_count=180 * ONE_GIB_OF_PARAMS, dataset_samples=10, flops_per_sample=1e9, activation_bytes_per_sample=1.0
     )
     out = plan_data_parallel(MIX, catalog, huge, global_batch=6, zero_stage=1)
-    assert (
-        isinstance(out, Infeasible) and "90.0 GiB per device and 90.0 GiB across them in shards (ZeRO-1)" in out.reason
-    )
+    assert isinstance(out, Infeasible) and "90 GiB per device and 90 GiB across them in shards (ZeRO-1)" in out.reason
 
 
 # 64 GiB of state (16 weights, 16 gradients, 32 Adam) in 16 layers of 1 GiB of weights each; 0.5 GiB of fp32

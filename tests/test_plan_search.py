@@ -228,7 +228,7 @@ def test_model_that_fits_nowhere_names_the_smallest_shortfall(catalog):
     topo = uniform_topology(catalog, ranks, gpus_per_node=4, inter_node_gbps=100)
     result = plan(ranks, catalog, fp, global_batch=8, topology=topo)
     assert isinstance(result, Infeasible)
-    assert result.reason.startswith("model needs 16.0 GiB per device at micro-batch 1")
+    assert result.reason.startswith("model needs 16 GiB per device at micro-batch 1")
     assert "its V100-16GB has 16 GiB" in result.reason and "\n" not in result.reason
 
 

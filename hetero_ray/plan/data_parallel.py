@@ -100,12 +100,12 @@ def plan_data_parallel(
         need = footprint.memory_bytes(1, activation_scale(precisions[worst]))
         if zero_stage:
             return Infeasible(
-                f"model needs {held / GiB:.1f} GiB per device and {sharded / GiB:.1f} GiB across them in shards "
+                f"model needs {held / GiB:.3g} GiB per device and {sharded / GiB:.3g} GiB across them in shards "
                 f"(ZeRO-{zero_stage}), more than these devices hold at micro-batch 1; use a smaller model or more "
                 "memory"
             )
         return Infeasible(
-            f"model needs {need / GiB:.1f} GiB per device at micro-batch 1; largest device "
+            f"model needs {need / GiB:.3g} GiB per device at micro-batch 1; largest device "
             f"({specs[worst].name}) has {specs[worst].memory_gib:g} GiB; use a smaller model or more memory"
         )
     per_sample = [
@@ -327,7 +327,7 @@ def _exclusions(specs, precisions, fits, footprint: Footprint, zero_stage: int) 
                 )
             else:
                 need = footprint.memory_bytes(1, activation_scale(prec)) / GiB
-                reason = f"needs {need:.1f} GiB at micro-batch 1, has {spec.memory_gib:g} GiB"
+                reason = f"needs {need:.3g} GiB at micro-batch 1, has {spec.memory_gib:g} GiB"
             prev = out.get(spec.name)
             out[spec.name] = Exclusion(gpu_type=spec.name, count=(prev.count if prev else 0) + 1, reason=reason)
     return tuple(out.values())

@@ -856,7 +856,7 @@ def infeasible_reason(space: Space) -> str:
         layout = ", ".join(f"{types.count(t)} × {t}" for t in dict.fromkeys(types))
         sharded = f", Adam's state over {r} replicas" if space.zero_stage else ""
         return (
-            f"model needs {need / GiB:.1f} GiB per device at micro-batch 1 in the closest plan "
+            f"model needs {need / GiB:.3g} GiB per device at micro-batch 1 in the closest plan "
             f"({len(types)} pipeline stage{'s' * (len(types) > 1)}: {layout}, activation checkpointing{sharded}); "
             f"its {gpu_type} has {cap / GiB:g} GiB; add devices with more memory or allow more stages "
             f"(max_stages is {space.max_stages})"
