@@ -462,3 +462,17 @@ def test_each_zero_stage_weighs_the_kinds_of_plan_that_run_at_it():
     assert asked == [("placed", 0), ("placed", 1), ("sharded", 1), ("sharded", 3)]
     none = zero_stage_plans(1, lambda _: Infeasible("no pipeline fits"), lambda _: Infeasible("no shard fits"))
     assert none == Infeasible("no pipeline fits; no shard fits")
+
+
+def test_a_need_below_a_tenth_of_a_gib_is_given_in_three_figures(tmp_path) -> None:
+    """At the benches' scaled-down memory (MiB, not GiB) an infeasible plan still says how much it needs."""
+    from importlib.resources import files
+
+    import yaml
+
+    packaged = yaml.safe_load(files("hetero_ray.cluster").joinpath("gpus.yaml").read_text())["gpus"]
+    (tmp_path / "gpus.yaml").write_text(yaml.safe_dump({"gpus": {"TINY": {**packaged[V100], "memory_gib": 0.001}}}))
+    tiny = Footprint(param_count=2**16, dataset_samples=100, flops_per_sample=1e9, activation_bytes_per_sample=2**20)
+    result = plan_data_parallel(["TINY"], load_catalog(tmp_path / "gpus.yaml"), tiny, global_batch=4)
+    # 16 bytes of state per parameter: 1 MiB; one sample's 1 MiB of fp32 activations, halved in a V100's fp16.
+    assert isinstance(result, Infeasible) and "needs 0.00146 GiB per device" in result.reason, result
