@@ -7,6 +7,7 @@ import json
 import math
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -464,15 +465,10 @@ def test_each_zero_stage_weighs_the_kinds_of_plan_that_run_at_it():
     assert none == Infeasible("no pipeline fits; no shard fits")
 
 
-def test_a_need_below_a_tenth_of_a_gib_is_given_in_three_figures(tmp_path) -> None:
-    """At the benches' scaled-down memory (MiB, not GiB) an infeasible plan still says how much it needs."""
-    from importlib.resources import files
-
-    import yaml
-
-    packaged = yaml.safe_load(files("hetero_ray.cluster").joinpath("gpus.yaml").read_text())["gpus"]
-    (tmp_path / "gpus.yaml").write_text(yaml.safe_dump({"gpus": {"TINY": {**packaged[V100], "memory_gib": 0.001}}}))
-    tiny = Footprint(param_count=2**16, dataset_samples=100, flops_per_sample=1e9, activation_bytes_per_sample=2**20)
-    result = plan_data_parallel(["TINY"], load_catalog(tmp_path / "gpus.yaml"), tiny, global_batch=4)
+def test_a_need_below_a_tenth_of_a_gib_is_given_in_three_figures() -> None:
+    """At scaled-down memory (MiB, not GiB) an infeasible plan still says how much it needs."""
+    tiny = load_catalog(Path(__file__).parent / "data" / "tiny-memory-gpus.yaml")  # 0.75 MiB a device
+    fp = Footprint(param_count=2**16, dataset_samples=100, flops_per_sample=1e9, activation_bytes_per_sample=2**20)
+    result = plan_data_parallel([V100], tiny, fp, global_batch=4)
     # 16 bytes of state per parameter: 1 MiB; one sample's 1 MiB of fp32 activations, halved in a V100's fp16.
     assert isinstance(result, Infeasible) and "needs 0.00146 GiB per device" in result.reason, result
