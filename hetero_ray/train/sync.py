@@ -58,8 +58,9 @@ class TorchAdam:
     rank alike. Under ZeRO (``zero_stage``, ``train/zero.py``) a rank's AdamW holds its
     shard's slices alone; at stage 2 the gradients are reduced to their owners pass by pass
     and kept there alone, at stage 3 the parameters too (``layers``: the workload's, which
-    chunks are cut at and gathered by; an evaluation's forwards gather as training's do, and ``model_state``
-    copies the model for a checkpoint; a checkpoint's weights go into the model before, since stage 3 keeps only its slices of them).
+    chunks are cut at and gathered by; an evaluation's forwards gather as training's do, and
+    ``model_state`` copies the model for a checkpoint; a checkpoint's weights go into the model
+    before, since stage 3 keeps only its slices of them).
     In a pipelined plan (stage 1 only) the shards span the replicas of the rank's stage (``shard_group``).
     Optimizer state is saved by position in ``model.parameters()``, so a checkpoint loads on
     any plan and any ZeRO stage.
