@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -100,12 +99,7 @@ def submit(
 def job_status(cluster: EmulatedCluster, job_id: str) -> str:
     """The job's status, from the job server's REST API (what `ray job status` asks): a `ray` process per poll
     costs about 2 s of CPU, which the polled job's workers would otherwise have had on this two-core machine."""
-    token = Path(cluster.env["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
-    request = urllib.request.Request(
-        f"{cluster.dashboard_url}/api/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"}
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.load(response)["status"]
+    return cluster.api(f"/api/jobs/{job_id}")["status"]
 
 
 def wait_for(cluster: EmulatedCluster, job_id: str, timeout: float = 300) -> str:
