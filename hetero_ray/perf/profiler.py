@@ -262,10 +262,10 @@ def profile(
 
     rows: list[Measurement] = []
     skipped: list[Skipped] = []
-    supported = [p for p in spec.precisions if not _unsupported(p, target)]
+    reasons = {p: _unsupported(p, target) for p in spec.precisions}
+    supported = [p for p, reason in reasons.items() if not reason]
     with _threads(spec.threads, target.device):
-        for precision in spec.precisions:
-            reason = _unsupported(precision, target)
+        for precision, reason in reasons.items():
             if reason:
                 skipped += [Skipped(micro_batch=b, precision=precision, reason=reason) for b in spec.micro_batches]
                 advance(spec.steps(modelled))
