@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,10 @@ from hetero_ray.cluster.emulation import EmulatedCluster
 REPO = Path(__file__).resolve().parents[1]
 # Third-party data the tests check against, carried in the tree (sources in data/reference/README.md).
 REFERENCE_DATA = REPO / "data" / "reference"
+# Ray Train's controller polls its workers every 2 s (its default), and sees a group finish or fail only then:
+# a second on average at the end of each of the tests' jobs and trials. Set before any cluster starts, so
+# that every raylet, driver and controller the tests start inherits it.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 @pytest.fixture(scope="session")
