@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,14 +248,15 @@ class EmulatedCluster:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.load(response)
 
-    def _poll(self, ready, timeout_s: float, failure: str) -> None:
-        """Call ``ready()`` every half second until it is true; the dashboard not answering yet counts as not ready."""
+    def _poll(self, ready: Callable[[], Any], timeout_s: float, failure: str) -> Any:
+        """Call ``ready()`` every half second until it answers something true, and return that; the dashboard not
+        answering yet counts as not ready."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self._check_alive()
             try:
-                if ready():
-                    return
+                if answer := ready():
+                    return answer
             except (OSError, ValueError, KeyError):  # not listening yet, an error page, an answer without data
                 pass
             time.sleep(0.5)
@@ -264,24 +265,26 @@ class EmulatedCluster:
     def _wait_for_job_agent(self, timeout_s: float) -> None:
         """Job submission fails until the head's dashboard agent has registered: submit a no-op until it works,
         then wait for it to end, so that the agents' start-up work is done too before anything is measured."""
-        submitted: list[str] = []
+        job_id = self._poll(
+            lambda: self.api("/api/jobs/", {"entrypoint": "true"})["job_id"],
+            timeout_s,
+            "the emulated head's job server did not take a no-op job",
+        )
 
-        def finished() -> bool:
-            if not submitted:
-                submitted.append(self.api("/api/jobs/", {"entrypoint": "true"})["job_id"])
-            return self.api(f"/api/jobs/{submitted[0]}")["status"] in ("SUCCEEDED", "FAILED", "STOPPED")
+        def ended() -> str | None:
+            status = self.api(f"/api/jobs/{job_id}")["status"]
+            return status if status in ("SUCCEEDED", "FAILED", "STOPPED") else None
 
-        self._poll(finished, timeout_s, "the emulated head's job server did not run a no-op job")
+        status = self._poll(ended, timeout_s, "the emulated head's job server did not run a no-op job")
+        if status != "SUCCEEDED":
+            raise RuntimeError(f"the emulated head's no-op job (`true`) ended {status} (logs: {self.workdir})")
 
     def _wait_for_port(self, port: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self._check_alive()
+        def listening() -> bool:
             with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    return
-            time.sleep(0.5)
-        raise TimeoutError(f"emulated Ray head did not open port {port} in {timeout_s:.0f} s (logs: {self.workdir})")
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        self._poll(listening, timeout_s, f"emulated Ray head did not open port {port}")
 
     def _wait_for_nodes(self, n: int, timeout_s: float) -> None:
         alive = "/api/v0/nodes?filter_keys=state&filter_predicates=%3D&filter_values=ALIVE&limit=1000&detail=false"
