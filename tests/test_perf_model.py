@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -10,6 +11,7 @@ import pandas as pd
 import pytest
 
 from hetero_ray.cluster.catalog import load_catalog
+from hetero_ray.cluster.emulated_device import EmulatedDevice
 from hetero_ray.perf import history
 from hetero_ray.perf.history import CPU, HOST_MEMORY, HistoryError, Measurement, Software, options_hash
 from hetero_ray.perf.model import (
@@ -297,6 +299,42 @@ def test_profiler_prices_an_emulated_device_with_its_model_and_enforces_its_memo
     reasons = {(s.micro_batch, s.precision): s.reason for s in result.skipped}
     assert reasons[(64, "fp16")].startswith("out of memory: emulated V100-tiny")
     assert "no bf16 peak" in reasons[(1, "bf16")]
+
+
+def test_profiler_times_a_throttled_device_under_the_memory_cap_it_trains_under(catalog, monkeypatch):
+    """Training steps on an emulated device run under its memory cap's saved-tensor hooks (2 % of a V100 slice's
+    step); a throttled device's profile times every step under the same cap, and only its untimed memory probe,
+    which counts saved bytes with hooks of its own, without."""
+    capped = [False]
+    real = EmulatedDevice.memory_cap
+
+    @contextlib.contextmanager
+    def watched(self, model, static_bytes):
+        with real(self, model, static_bytes):
+            capped[0] = True
+            try:
+                yield
+            finally:
+                capped[0] = False
+
+    monkeypatch.setattr(EmulatedDevice, "memory_cap", watched)
+    under_cap: list[bool] = []
+
+    def counted():
+        workload = tiny_gpt()
+        loss_fn = workload.loss_fn
+
+        def loss(model, batch):
+            under_cap.append(capped[0])
+            return loss_fn(model, batch)
+
+        return dataclasses.replace(workload, loss_fn=loss)
+
+    throttled = Emulation(spec=catalog.get("V100-16GB"), efficiency=0.5, flops_per_sample=1e9, padded=False)
+    spec = ProfileSpec(micro_batches=(1,), warmup=1, repeats=2)
+    result = profile(counted, spec, workload_name="gpt", options=TINY, target=Target(emulated=throttled))
+    assert [(m.clock, m.repeats) for m in result.measurements] == [("wall", 2)]
+    assert under_cap[0] is False and len(under_cap) > 3 and all(under_cap[1:])
 
 
 def test_profile_spec_rejects_bad_requests():
