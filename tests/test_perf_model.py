@@ -332,7 +332,8 @@ def test_profiler_times_a_throttled_device_under_the_memory_cap_it_trains_under(
 
     throttled = Emulation(spec=catalog.get("V100-16GB"), efficiency=0.5, flops_per_sample=1e9, padded=False)
     spec = ProfileSpec(micro_batches=(1,), warmup=1, repeats=2)
-    result = profile(counted, spec, workload_name="gpt", options=TINY, target=Target(emulated=throttled))
+    target = Target(gpu_type="V100-16GB", emulated=throttled)
+    result = profile(counted, spec, workload_name="gpt", options=TINY, target=target)
     assert [(m.clock, m.repeats) for m in result.measurements] == [("wall", 2)]
     assert under_cap[0] is False and len(under_cap) > 3 and all(under_cap[1:])
 
