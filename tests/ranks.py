@@ -21,6 +21,7 @@ from hetero_ray.plan.plan import WorkerRole
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.pipeline import (
     Stage,
+    boundary,
     gather_whole_state,
     gradient_buckets,
     local_optimizer_state,
@@ -155,7 +156,8 @@ def run_pipelined(
     group, ranks = pipeline_group(roles, rank)
     tp = tensor_group(roles, rank)
     global_batch = cfg.train.global_batch
-    stage = Stage(workload, role, group, ranks, global_batch, cpu, None, schedule, tp_group=tp)
+    edge = boundary(roles, rank)
+    stage = Stage(workload, role, group, ranks, global_batch, cpu, None, schedule, tp_group=tp, edge=edge)
     layers = list(workload.layered.layers(model))
     buckets = gradient_buckets(layers, roles, rank)
     shards = shard_group(roles, rank) if zero_stage else None

@@ -138,16 +138,21 @@ def pipeline_plan_dict() -> dict:
     return {"global_batch": 8, "split": "proportional", "emulated": True, "roles": roles, "predicted_compute_s": 0.3}
 
 
-def tp_plan_dict(members: int, second_stage_tp: bool = True, weights: list | None = None) -> dict:
-    """One 2-stage pipeline whose stage 0 is a tensor-parallel group of two A100s (``members`` of them
-    listed), stage 1 two A100s as well, or one V100 without ``second_stage_tp``."""
+def tp_plan_dict(members: int, weights: list | None = None) -> dict:
+    """One 2-stage pipeline whose stages are tensor-parallel groups of two A100s (``members`` of stage 0's
+    listed)."""
     role = {**pipeline_plan_dict()["roles"][0], "local_batch": 8, "tp_weights": weights or [1, 1]}
     roles = [{**role, "tp_rank": k} for k in range(members)]
-    if second_stage_tp:
-        roles += [{**role, "stage": 1, "layers": [3, 4], "tp_rank": k} for k in range(2)]
-    else:
-        roles.append({**pipeline_plan_dict()["roles"][1], "local_batch": 8})
+    roles += [{**role, "stage": 1, "layers": [3, 4], "tp_rank": k} for k in range(2)]
     return {"global_batch": 8, "split": "proportional", "emulated": True, "roles": roles, "predicted_compute_s": 0.3}
+
+
+def split_differs_plan() -> dict:
+    """``pipeline_plan_dict`` with pipeline 0's stage 0 a tensor-parallel pair, pipeline 1's whole."""
+    data = pipeline_plan_dict()
+    split = {**data["roles"][0], "tp_weights": [1, 1]}
+    data["roles"][0:1] = [{**split, "tp_rank": k} for k in range(2)]
+    return data
 
 
 def two_stage_plan() -> dict:
@@ -459,10 +464,10 @@ CASES = [
     Case("plan-tp-member-missing", PLAN, "a tensor-parallel stage (`tp_weights: [1, 1]`) with only member 0",
          plan_file(lambda: tp_plan_dict(members=1)),
          rf"{PLN}: roles\.0\.tp_rank: stage 0 of pipeline 0 has members \[0\]; each of 0 to 1 exactly once$"),
-    Case("plan-tp-degrees-differ", PLAN, "a pipeline whose stage 0 has 2 tensor-parallel members and stage 1 one",
-         plan_file(lambda: tp_plan_dict(members=2, second_stage_tp=False)),
-         rf"{PLN}: roles\.2\.tp_weights: stage 1 of pipeline 0 has 1 members, another stage 2; the stages of a "
-         r"pipeline share their tensor-parallel degree$"),
+    Case("plan-tp-split-differs", PLAN, "two pipelines whose first stages hold the same layers, one split in two",
+         plan_file(split_differs_plan),
+         rf"{PLN}: roles\.3\.tp_weights: unsplit, but roles\.0 holds some of the same layers split \[1\.0, 1\.0\]; "
+         r"the pipelines holding a layer must split it alike \(its gradients are summed per part\)$"),
     Case("plan-tp-weight-zero", PLAN, "`tp_weights: [1, 0]`",
          plan_file(lambda: tp_plan_dict(members=2, weights=[1, 0])),
          rf"{PLN}: roles\.0: tp_weights \[1\.0, 0\.0\] must all be positive and finite"),
@@ -800,6 +805,11 @@ def test_good_inputs_pass_the_same_entry_points(tmp_path: Path) -> None:
         )
         assert plan.global_batch == 8
     assert load_plan(tmp_path / "plan.json").is_pipelined
+    # Both pipelines' stage 0 split alike: stages of two members, then one, in each pipeline.
+    alike = split_differs_plan()
+    alike["roles"][3:4] = [{**alike["roles"][k], "pipeline": 1, "sample_offset": 4} for k in range(2)]
+    (tmp_path / "plan.json").write_text(json.dumps(alike))
+    assert load_plan(tmp_path / "plan.json", n_layers=4).tensor_parallel == 2
     cluster_yaml(lambda data: None)(tmp_path)  # the unchanged cluster.yaml validates (no error line)
     assert cluster_yaml(lambda data: None)(tmp_path).stderr == ""
 

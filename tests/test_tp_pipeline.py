@@ -15,6 +15,9 @@ from ranks import one_process, run_pipelined, run_ranks, worker_role
 
 from hetero_ray.config import parse_config
 from hetero_ray.train.pipeline import (
+    Boundary,
+    actions,
+    boundary,
     gradient_buckets,
     layer_holders,
     part_holders,
@@ -51,6 +54,11 @@ TWO_BY_TWO = [
     member(0, 0, (0, 2), 12, 3, 0, (5.0, 3.0), 0),
     member(0, 1, (2, 4), 12, 3, 0, (1.0, 1.0), 0),
 ]
+TWO_THEN_ONE = [
+    member(0, 1, (2, 4), 12, 3, 0),
+    member(0, 0, (0, 2), 12, 3, 0, (5.0, 3.0), 1),
+    member(0, 0, (0, 2), 12, 3, 0, (5.0, 3.0), 0),
+]
 PLANS = {
     "two stages of two": ("gpipe", TWO_BY_TWO),
     "two stages of two, 1f1b checkpointed": (
@@ -60,6 +68,18 @@ PLANS = {
             member(0, 0, (0, 2), 12, 3, 0, (5.0, 3.0), 1, activation_checkpointing=True),
             member(0, 0, (0, 2), 12, 3, 0, (5.0, 3.0), 0, activation_checkpointing=True),
             member(0, 1, (2, 4), 12, 3, 0, (1.0, 1.0), 0),
+        ],
+    ),
+    # Stages of different degrees (our own schedule): two members split 5 : 3, then one whole stage.
+    "a stage of two, then one": ("gpipe", TWO_THEN_ONE),
+    # One, three split 4 : 3 : 1, one; 1F1B; two pipelines of that layout, 6 samples each.
+    "one, three, one, twice, 1f1b": (
+        "1f1b",
+        [
+            member(p, s, layers, 6, 3, 6 * p, weights, k)
+            for p in (1, 0)
+            for s, layers, weights in ((2, (3, 4), None), (0, (0, 1), None), (1, (1, 3), (4.0, 3.0, 1.0)))
+            for k in range(len(weights or (1,)))
         ],
     ),
     # Two whole-model (one-stage) replicas, each a tensor-parallel group of two split 5 : 3.
@@ -78,6 +98,8 @@ HEADS = {
     "two stages of two": [[4], [3], [5], [4]],
     "two stages of two, 1f1b checkpointed": [[4], [3], [5], [4]],
     "two replicas of two": [[3, 3], [5, 5], [5, 5], [3, 3]],
+    "a stage of two, then one": [[], [3], [5]],
+    "one, three, one, twice, 1f1b": [[], [], [4, 4], [3, 3], [1, 1]] * 2,
 }
 # The two-by-two pipeline beside a whole-model replica without tensor parallelism: refused.
 MIXED = [
@@ -192,9 +214,31 @@ def test_pipelines_splitting_a_layer_differently_are_refused_in_one_line() -> No
     assert "tp_weights" in one_line_error(part_holders, uneven, 4)
 
 
+def test_stages_of_different_degrees_exchange_across_each_boundary_by_member_modulo_degree() -> None:
+    """No sub-pipelines where degrees differ; member j of a later stage takes the activation from member j mod d
+    of the earlier, member k of the earlier the gradient from member k mod d' of the later; a pipeline whose
+    stages share a degree keeps torch's schedules (no boundary)."""
+    assert sub_pipelines(TWO_THEN_ONE) == {}
+    assert boundary(TWO_THEN_ONE, 2) == Boundary(0, 2, None, (0,), 0, ())
+    assert boundary(TWO_THEN_ONE, 1) == Boundary(0, 2, None, (), 0, ())
+    assert boundary(TWO_THEN_ONE, 0) == Boundary(1, 2, 2, (), None, (2, 1))
+    _, roles = PLANS["one, three, one, twice, 1f1b"]
+    # Pipeline 0's ranks: stage 2 on 5, stage 0 on 6, stage 1's members 0, 1, 2 on 7, 8, 9.
+    assert boundary(roles, 6) == Boundary(0, 3, None, (7, 8, 9), 7, ())
+    assert boundary(roles, 8) == Boundary(1, 3, 6, (), 5, ())
+    assert boundary(roles, 7) == Boundary(1, 3, 6, (5,), 5, (6,))
+    assert boundary(roles, 5) == Boundary(2, 3, 7, (), None, (7, 8, 9))
+    assert boundary(TWO_BY_TWO, 0) is None
+
+
+def test_own_schedule_runs_gpipe_and_1f1b_orders() -> None:
+    assert actions("gpipe", 0, 2, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert actions("1f1b", 0, 3, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    assert actions("1f1b", 2, 3, 4) == [a for m in range(4) for a in (("F", m), ("B", m))]
+    assert actions("1f1b", 0, 4, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
 def test_inconsistent_tensor_parallel_stages_are_refused_in_one_line() -> None:
-    degree_differs = [*TWO_BY_TWO[1:3], member(0, 1, (2, 4), 12, 3, 0)]
-    assert "same degree" in one_line_error(tensor_members, degree_differs)
     rank_twice = [TWO_BY_TWO[1], member(0, 0, (0, 2), 12, 3, 0, (5.0, 3.0), 1)]
     assert "tp_rank" in one_line_error(tensor_members, rank_twice)
     weights_differ = [TWO_BY_TWO[1], member(0, 0, (0, 2), 12, 3, 0, (1.0, 1.0), 0)]

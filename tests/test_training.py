@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ from hetero_ray.monitor.metrics import DEFINITIONS, prometheus_name
 from hetero_ray.plan import search
 from hetero_ray.plan.cost import ring_allreduce_bytes
 from hetero_ray.plan.data_parallel import plan_data_parallel
-from hetero_ray.plan.plan import Infeasible, Plan
+from hetero_ray.plan.plan import Exclusion, Infeasible, Plan
 from hetero_ray.train.onebit import fused_allreduce_bytes
 from hetero_ray.train.prepare import prepare, topology_for
 
@@ -139,14 +140,32 @@ def searched(cfg: dict, **options) -> list[Plan]:
     )
 
 
-def test_a_tensor_parallel_plan_trains_like_one_process_and_resumes_on_another(cluster, tmp_path):
-    """The planner's best plan of degree 2 (every GPT block's heads and MLP columns split over an A100 pair
-    and a V100 pair), submitted with --plan and stopped half-way, then resumed on the config's own
+def mixed_degree_plan(cfg: dict) -> Plan:
+    """One pipeline whose stages differ in tensor-parallel degree: the embedding and block 0 split over the A100
+    pair (from the planner's best plan of degree 2, whose first replica is that pair), block 1 and the head on
+    one V100; the other V100 idle."""
+    pair = [r for r in searched(cfg, tensor_parallel=(2,), top_k=1)[0].roles if r.gpu_type == "A100-80GB"]
+    v100 = replace(pair[0], gpu_type="V100-16GB", memory_cap_bytes=16 * 2**30, tp_weights=None, tp_rank=0)
+    staged = [replace(r, layers=(0, 2)) for r in pair] + [replace(v100, stage=1, layers=(2, 4))]
+    return Plan(
+        global_batch=12,
+        split="by hand",
+        emulated=True,
+        roles=tuple(replace(r, local_batch=12, micro_batch=6, sample_offset=0) for r in staged),
+        predicted_compute_s=0.0,
+        excluded=(Exclusion(gpu_type="V100-16GB", count=1, reason="one V100 holds the second stage"),),
+        schedule="1f1b",
+    )
+
+
+def test_a_plan_whose_stages_differ_in_degree_trains_like_one_process_and_resumes_on_another(cluster, tmp_path):
+    """A pipeline of a tensor-parallel A100 pair (every GPT block's heads and MLP columns split) then one V100,
+    run by our own 1F1B schedule, submitted with --plan and stopped half-way, then resumed on the config's own
     data-parallel plan: the run ends where one process on the full batch ends (clipping and the schedule
     included), its checkpoints holding the whole model."""
     cfg = run_config(tmp_path / "runs", "tensor-parallel")
-    plan = searched(cfg, tensor_parallel=(2,), top_k=1)[0]
-    assert plan.tensor_parallel == 2 and len(plan.roles) == 4
+    plan = mixed_degree_plan(cfg)
+    assert plan.tensor_parallel == 2 and [r.tp_degree for r in plan.roles] == [2, 2, 1]
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps({**plan.to_dict(), "workload": cfg["workload"]}))
     job_id, _ = submit(cluster, tmp_path, cfg, plan=plan_file)

@@ -174,13 +174,12 @@ def _check_pipelines(plan: _Plan, n_layers: int | None) -> str | None:
 
 
 def _check_tensor_groups(plan: _Plan) -> str | None:
-    """Each tensor-parallel stage has members 0…d−1 once, sharing weights and samples; a pipeline's stages
-    share the degree (member k of a stage talks to member k of the next)."""
+    """Each tensor-parallel stage has members 0…d−1 once, sharing weights and samples; stages of different
+    pipelines holding one layer split it alike (its gradients are summed per part)."""
     stages: dict[tuple[int, int], list[tuple[int, _Role]]] = {}
     for i, role in enumerate(plan.roles):
         if role.tp_weights is not None or role.layers is not None:
             stages.setdefault((role.pipeline, role.stage), []).append((i, role))
-    degrees: dict[int, int] = {}
     for (p, s), members in sorted(stages.items()):
         i, head = members[0]
         d = len(head.tp_weights or (1,))
@@ -193,12 +192,21 @@ def _check_tensor_groups(plan: _Plan) -> str | None:
                 for name in ("tp_weights", "layers", "local_batch", "micro_batch", "sample_offset"):
                     if getattr(role, name) != getattr(head, name):
                         return f"roles.{j}.{name}: differs from roles.{i}'s; the members of a tensor-parallel stage share it"
-        if degrees.setdefault(p, d) != d:
-            return (
-                f"roles.{i}.tp_weights: stage {s} of pipeline {p} has {d} members, another stage {degrees[p]}; "
-                "the stages of a pipeline share their tensor-parallel degree"
-            )
+    heads = [members[0] for members in stages.values()]
+    for a, (i, x) in enumerate(heads):
+        for j, y in heads[a + 1 :]:
+            overlap = x.layers is None or y.layers is None or max(x.layers[0], y.layers[0]) < min(x.layers[1], y.layers[1])
+            if overlap and x.tp_weights != y.tp_weights:
+                return (
+                    f"roles.{j}.tp_weights: {_split_name(y)}, but roles.{i} holds some of the same layers "
+                    f"{_split_name(x)}; the pipelines holding a layer must split it alike (its gradients are summed "
+                    "per part)"
+                )
     return None
+
+
+def _split_name(role: _Role) -> str:
+    return f"split {list(role.tp_weights)}" if role.tp_weights else "unsplit"
 
 
 def parse_plan(data: Any, source: str = "plan", *, catalog: Catalog | None = None, n_layers: int | None = None) -> Plan:

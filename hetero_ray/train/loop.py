@@ -38,6 +38,7 @@ from hetero_ray.train.context import get_context
 from hetero_ray.train.data import GlobalBatches, collate
 from hetero_ray.train.pipeline import (
     Stage,
+    boundary,
     gather_whole_state,
     gradient_buckets,
     local_optimizer_state,
@@ -99,10 +100,11 @@ def train_worker(config: dict[str, Any]) -> None:
     if plan.is_pipelined:
         group, ranks = pipeline_group(roles, rank)
         tp_group = tensor_group(roles, rank)
+        edge = boundary(roles, rank)
         layers = list(workload.layered.layers(workload.model))
         for i in stage_layers if role else ():
             layers[i].to(device)
-        if len(ranks) > 1 or (role and role.tp_degree > 1):
+        if len(ranks) > 1 or (role and role.tp_degree > 1) or edge:
             link = (cfg.link.bandwidth_bytes_s, cfg.link.latency_s) if cfg.link else None
             # Before the buckets: a tensor-parallel stage cuts its shards into the model.
             stage = Stage(
@@ -117,6 +119,7 @@ def train_worker(config: dict[str, Any]) -> None:
                 link,
                 precision,
                 tp_group,
+                edge,
             )
         buckets = gradient_buckets(list(workload.layered.layers(workload.model)), roles, rank)
         model = workload.model

@@ -7,15 +7,18 @@ the pipelines that hold it (one ``Bucket`` per distinct set of holders), so
 pipelines may cut the model differently. Checkpoints hold the whole model and
 the optimizer in the data-parallel format, so a run resumes on any plan.
 
-A tensor-parallel stage is a group of workers splitting its GPT blocks (``workloads/tensor_parallel.py``); every
-stage of its pipeline has the same degree d, and the pipeline runs as d sub-pipelines, member k of each stage
-sending to member k of the next (torchtitan's 2-D layout). The members of a stage run the same samples.
+A tensor-parallel stage is a group of workers splitting its GPT blocks (``workloads/tensor_parallel.py``). The
+members of a stage run the same samples. When every stage of a pipeline has the same degree d, the pipeline runs
+as d sub-pipelines of torch's, member k of each stage sending to member k of the next (torchtitan's 2-D layout).
+When its stages differ in degree, ``torch.distributed.pipelining`` (one peer each way) cannot run it, and the
+stages exchange tensors over plain sends and receives instead (``Boundary``, ``_OwnSchedule``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,13 +51,12 @@ def _split(role: WorkerRole) -> tuple[float, ...] | None:
 def tensor_members(roles: Sequence[WorkerRole | None]) -> dict[tuple[int, int], list[int]]:
     """The ranks of each (pipeline, stage), in ``tp_rank`` order (one rank for a stage without tensor
     parallelism). A ValueError in one line when a stage's members disagree on ``tp_weights`` or do not hold
-    each ``tp_rank`` once, or a pipeline's stages differ in degree (member k talks only to member k of the
-    next stage)."""
+    each ``tp_rank`` once."""
     by_stage: dict[tuple[int, int], list[int]] = {}
     for r, role in enumerate(roles):
         if role is not None:
             by_stage.setdefault((role.pipeline, role.stage), []).append(r)
-    members, degrees = {}, {}
+    members = {}
     for (pipeline, stage), ranks in sorted(by_stage.items()):
         splits = {_split(roles[r]) for r in ranks}
         if len(splits) > 1:
@@ -68,12 +70,6 @@ def tensor_members(roles: Sequence[WorkerRole | None]) -> dict[tuple[int, int], 
                 f"pipeline {pipeline} stage {stage}: {len(ranks)} workers with tp_ranks "
                 f"{sorted(roles[r].tp_rank for r in ranks)} for tensor-parallel degree {degree}; "
                 f"give each tp_rank 0..{degree - 1} to one worker"
-            )
-        if degrees.setdefault(pipeline, degree) != degree:
-            raise ValueError(
-                f"pipeline {pipeline}: stage {stage} has tensor-parallel degree {degree}, an earlier stage "
-                f"{degrees[pipeline]}; every stage of a pipeline needs the same degree (member k of a stage talks "
-                "only to member k of the next)"
             )
         members[(pipeline, stage)] = sorted(ranks, key=lambda r: roles[r].tp_rank)
     return members
@@ -127,13 +123,66 @@ def gradient_buckets(layers: Sequence[nn.Module], roles: Sequence[WorkerRole | N
     return buckets
 
 
+def _stages(roles: Sequence[WorkerRole | None]) -> dict[int, list[list[int]]]:
+    """Each pipeline's stages in order, each as its members' ranks in ``tp_rank`` order."""
+    stages: dict[int, list[list[int]]] = {}
+    for (pipeline, _), ranks in sorted(tensor_members(roles).items()):
+        stages.setdefault(pipeline, []).append(ranks)
+    return stages
+
+
+def _mixed(stages: list[list[int]]) -> bool:
+    return len({len(ranks) for ranks in stages}) > 1
+
+
 def sub_pipelines(roles: Sequence[WorkerRole | None]) -> dict[tuple[int, int], list[int]]:
-    """The ranks of each (pipeline, tp_rank) in stage order: member k of every stage of a pipeline."""
-    members = tensor_members(roles)
+    """The ranks of each (pipeline, tp_rank) in stage order: member k of every stage of a pipeline whose stages
+    share their degree (a pipeline whose stages differ has none: ``boundary`` connects its stages)."""
     return {
-        (pipeline, k): [ranks[k] for (p, _), ranks in sorted(members.items()) if p == pipeline]
-        for pipeline, k in sorted({(p, k) for (p, _), ranks in members.items() for k in range(len(ranks))})
+        (pipeline, k): [ranks[k] for ranks in stages]
+        for pipeline, stages in _stages(roles).items()
+        if not _mixed(stages)
+        for k in range(len(stages[0]))
     }
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """Whom one member of a stage exchanges tensors with, in a pipeline whose stages differ in tensor-parallel
+    degree (global ranks). A stage's output and the gradient of its input are whole and the same on every
+    member (after a block's all-reduces), so across a boundary from d to d' members, member j of the later
+    stage takes the activation from member j mod d and member k of the earlier one the gradient from member
+    k mod d'; each member sends to those that map to it."""
+
+    stage: int
+    stages: int
+    activation_from: int | None
+    activation_to: tuple[int, ...]
+    gradient_from: int | None
+    gradient_to: tuple[int, ...]
+
+
+def boundary(roles: Sequence[WorkerRole | None], rank: int) -> Boundary | None:
+    """This rank's ``Boundary`` when its pipeline's stages differ in degree; None otherwise (torch's schedules
+    run it) or for a rank without a role."""
+    role = roles[rank]
+    if role is None:
+        return None
+    stages = _stages(roles)[role.pipeline]
+    if not _mixed(stages):
+        return None
+    s, k = role.stage, role.tp_rank
+    before = stages[s - 1] if s > 0 else []
+    after = stages[s + 1] if s + 1 < len(stages) else []
+    mine = len(stages[s])
+    return Boundary(
+        stage=s,
+        stages=len(stages),
+        activation_from=before[k % len(before)] if before else None,
+        activation_to=tuple(r for j, r in enumerate(after) if j % mine == k),
+        gradient_from=after[k % len(after)] if after else None,
+        gradient_to=tuple(r for j, r in enumerate(before) if j % mine == k),
+    )
 
 
 def pipeline_group(roles: Sequence[WorkerRole | None], rank: int) -> tuple[dist.ProcessGroup | None, list[int]]:
@@ -215,12 +264,79 @@ def _cut_shards(
             layers[i] = shard
 
 
+def actions(schedule: str, stage: int, stages: int, n_micro: int) -> list[tuple[str, int]]:
+    """The order in which a stage runs its micro-batches' forwards ("F", m) and backwards ("B", m): GPipe,
+    every forward then every backward; 1F1B, ``stages − stage − 1`` forwards of warm-up, then one forward and
+    one backward in turn, then the remaining backwards (as torch's ``Schedule1F1B``)."""
+    if schedule == "gpipe":
+        return [("F", m) for m in range(n_micro)] + [("B", m) for m in range(n_micro)]
+    warmup = min(stages - stage - 1, n_micro)
+    steady = [a for m in range(n_micro - warmup) for a in (("F", warmup + m), ("B", m))]
+    return [("F", m) for m in range(warmup)] + steady + [("B", m) for m in range(n_micro - warmup, n_micro)]
+
+
+class _OwnSchedule:
+    """Torch's schedules' ``step`` for a stage of a pipeline whose stages differ in tensor-parallel degree: the
+    micro-batches run in ``actions`` order, tensors cross the boundaries as ``Boundary`` says, over
+    ``dist.isend`` (waited on at the end of the step, so neighbours never wait on each other's sends) and a
+    blocking ``dist.recv``. The members of a stage run the same actions in the same order, so their
+    tensor-parallel all-reduces meet."""
+
+    def __init__(self, module: nn.Module, edge: Boundary, n_micro: int, schedule: str, loss_fn, device):
+        self.module, self.edge, self.n_micro, self.loss_fn, self.device = module, edge, n_micro, loss_fn, device
+        self.order = actions(schedule, edge.stage, edge.stages, n_micro)
+
+    def _recv(self, source: int) -> torch.Tensor:
+        # A header of the shape first: an activation's shape is the sender's to know (stages carry fp32).
+        header = torch.zeros(8, dtype=torch.int64)
+        dist.recv(header, source)
+        out = torch.empty(header[1 : 1 + int(header[0])].tolist(), dtype=torch.float32, device=self.device)
+        dist.recv(out, source)
+        return out
+
+    @staticmethod
+    def _send(tensor: torch.Tensor, to: tuple[int, ...], pending: list) -> None:
+        tensor = tensor.detach().contiguous()
+        header = torch.zeros(8, dtype=torch.int64)
+        header[0] = tensor.dim()
+        header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
+        for rank in to:
+            # The tensors stay referenced until their sends are waited on.
+            pending.append((dist.isend(header, rank), header))
+            pending.append((dist.isend(tensor, rank), tensor))
+
+    def step(self, *args, target: torch.Tensor | None = None, losses: list | None = None) -> None:
+        edge = self.edge
+        inputs = torch.tensor_split(args[0], self.n_micro) if args else None
+        targets = torch.tensor_split(target, self.n_micro) if target is not None else None
+        pending: list = []
+        saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for kind, m in self.order:
+            if kind == "F":
+                x = inputs[m] if inputs is not None else self._recv(edge.activation_from).requires_grad_()
+                out = self.module(x)
+                if targets is not None:
+                    out = self.loss_fn(out, targets[m])
+                    losses.append(out.detach())
+                else:
+                    self._send(out, edge.activation_to, pending)
+                saved[m] = (x, out)
+            else:
+                x, out = saved.pop(m)
+                out.backward(None if targets is not None else self._recv(edge.gradient_from))
+                if inputs is None:
+                    self._send(x.grad, edge.gradient_to, pending)
+        for work, _ in pending:
+            work.wait()
+
+
 class Stage:
     """This worker's pipeline stage: its layers, the schedule, and one step over its pipeline's micro-batches.
 
     A tensor-parallel role's stage cuts its shards of the GPT blocks into ``workload.model`` (``tp_group``:
     ``tensor_group``'s), so it must be made before the gradient buckets and the synchroniser, which must see
-    the shards' parameters.
+    the shards' parameters. ``edge``: ``boundary``'s, for a pipeline whose stages differ in degree (``group``
+    and ``ranks`` are then unused).
     """
 
     def __init__(
@@ -236,6 +352,7 @@ class Stage:
         link: tuple[float, float] | None = None,
         precision: str = "fp32",
         tp_group: dist.ProcessGroup | None = None,
+        edge: Boundary | None = None,
     ):
         # Imported here: torch.distributed.pipelining (and DTensor under it) adds about a second to the start of
         # every worker and driver, most of which never run a pipeline.
@@ -257,10 +374,6 @@ class Stage:
             if emu
             else None
         )
-        self.stage = PipelineStage(_Float32Output(self.padded or runnable), role.stage, len(ranks), device, group=group)
-        # new_group orders a group's ranks ascending; stage s lives on ranks[s].
-        ascending = sorted(ranks)
-        self.stage.stage_index_to_group_rank = {s: ascending.index(r) for s, r in enumerate(ranks)}
         self.n_micro = role.local_batch // role.micro_batch
 
         def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -269,8 +382,16 @@ class Stage:
             return layered.output_loss(output, target) * (role.micro_batch / global_batch)
 
         self.global_batch = global_batch
+        output = _Float32Output(self.padded or runnable)
+        if edge is not None:
+            self.schedule = _OwnSchedule(output, edge, self.n_micro, schedule, loss_fn, device)
+            return
+        stage = PipelineStage(output, role.stage, len(ranks), device, group=group)
+        # new_group orders a group's ranks ascending; stage s lives on ranks[s].
+        ascending = sorted(ranks)
+        stage.stage_index_to_group_rank = {s: ascending.index(r) for s, r in enumerate(ranks)}
         schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-        self.schedule = schedules[schedule](self.stage, n_microbatches=self.n_micro, loss_fn=loss_fn, scale_grads=False)
+        self.schedule = schedules[schedule](stage, n_microbatches=self.n_micro, loss_fn=loss_fn, scale_grads=False)
 
     def static_bytes(self, bytes_per_param: int) -> int:
         return sum(p.numel() for p in self.module.parameters()) * bytes_per_param
