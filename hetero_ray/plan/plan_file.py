@@ -195,7 +195,9 @@ def _check_tensor_groups(plan: _Plan) -> str | None:
     heads = [members[0] for members in stages.values()]
     for a, (i, x) in enumerate(heads):
         for j, y in heads[a + 1 :]:
-            overlap = x.layers is None or y.layers is None or max(x.layers[0], y.layers[0]) < min(x.layers[1], y.layers[1])
+            overlap = (
+                x.layers is None or y.layers is None or max(x.layers[0], y.layers[0]) < min(x.layers[1], y.layers[1])
+            )
             if overlap and x.tp_weights != y.tp_weights:
                 return (
                     f"roles.{j}.tp_weights: {_split_name(y)}, but roles.{i} holds some of the same layers "
