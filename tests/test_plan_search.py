@@ -15,9 +15,10 @@ from hetero_ray.plan.exhaustive import exhaustive_best_step
 from hetero_ray.plan.instances import random_instance, with_split
 from hetero_ray.plan.plan import Infeasible, Plan
 from hetero_ray.plan.plan_file import parse_plan
+from hetero_ray.plan.report import describe
 from hetero_ray.plan.search import plan
 from hetero_ray.plan.stages import MeasuredSpeeds, stage_work, type_table
-from hetero_ray.plan.topology import uniform_topology
+from hetero_ray.plan.topology import Topology, uniform_topology
 from hetero_ray.workloads import build_workload
 
 GiB = 2**30
@@ -164,6 +165,78 @@ def test_tensor_parallelism_lets_cards_too_small_for_a_layer_join(catalog):
     members = [r for r in best.roles if r.gpu_type == V100]
     assert {r.tp_rank for r in members} == set(range(best.tensor_parallel))
     assert all(r.tp_weights == (1.0,) * best.tensor_parallel for r in members)
+
+
+def per_type_topology(catalog, nodes: dict[str, int]) -> Topology:
+    """Nodes of ``nodes[t]`` GPUs for each type t, NICs of 100 Gbit/s."""
+    return Topology(
+        nodes={
+            t: uniform_topology(catalog, [t], gpus_per_node=n, inter_node_gbps=100).nodes[t] for t, n in nodes.items()
+        }
+    )
+
+
+def big_blocks() -> Footprint:
+    """4 GPT blocks of 2^30 parameters: 16 GiB of state each, more than a V100-16GB holds alone, half of it
+    on each of two V100s split tensor-parallel; an A100-80GB holds one or more alone."""
+    return with_blocks(layered(4, 2**30, 6 * 2**30 * 1024, 0.05 * GiB, 8 * 2**20))
+
+
+def test_each_type_gets_its_own_tensor_parallel_degree(catalog):
+    """2 A100-80GB, one per node, and 4 V100-16GB on one node: at degree 1 the V100s hold no block, at degree 2
+    the A100s form no pair (one per node), so either uniform degree trains on one type only; A100 stages
+    alone before V100 pairs train on all six and the step is shorter. The explanation names each type's
+    degree and the uniform degrees it beat."""
+    fp = big_blocks()
+    ranks = [A100] * 2 + [V100] * 4
+    topo = per_type_topology(catalog, {A100: 1, V100: 4})
+    kw = dict(global_batch=64, topology=topo)
+    uniform = [p[0] for d in (1, 2) if isinstance(p := plan(ranks, catalog, fp, tensor_parallel=(d,), **kw), list)]
+    assert uniform and all(len({r.gpu_type for r in p.roles}) == 1 for p in uniform)
+    best_uniform = min(p.predicted_step_s for p in uniform)
+    best = plan(ranks, catalog, fp, tensor_parallel=(1, 2), **kw)[0]
+    check_invariants(best, ranks, 4)
+    assert {r.tp_degree for r in best.roles if r.gpu_type == A100} == {1}
+    assert {r.tp_degree for r in best.roles if r.gpu_type == V100} == {2}
+    assert best.tensor_parallel == 2 and len(best.roles) == 6
+    assert best.predicted_step_s < 0.8 * best_uniform
+    assert "A100-80GB stages alone, V100-16GB stages as tensor-parallel pairs" in best.explanation
+    assert (
+        f"tensor-parallel degree 2 on V100-16GB and 1 on A100-80GB ({best.predicted_step_s * 1e3:.4g} ms) against "
+        f"{best_uniform * 1e3:.4g} ms at degree 1, none fits at degree 2"
+    ) in best.explanation
+
+
+@pytest.mark.parametrize("nodes", [{A100: 1, V100: 4}, {A100: 4, V100: 4}])
+def test_pipelines_holding_a_layer_split_it_alike(catalog, nodes):
+    """The runtime sums a layer's gradients per tensor-parallel part: among the returned plans, some with
+    unequal degrees per type, every layer's holders share one degree."""
+    fp = big_blocks()
+    ranks = [A100] * 2 + [V100] * 8
+    topo = per_type_topology(catalog, nodes)
+    plans = plan(ranks, catalog, fp, global_batch=64, topology=topo, tensor_parallel=(1, 2, 4), top_k=20)
+    unequal = [len({r.tp_degree for r in p.roles}) > 1 for p in plans]
+    assert sum(unequal) >= 2 and not all(unequal)
+    for p in plans:
+        check_invariants(p, ranks, 4)
+        for layer in range(4):
+            holders = [r for r in p.roles if r.layers is None or r.layers[0] <= layer < r.layers[1]]
+            assert len({r.tp_degree for r in holders}) == 1, (layer, describe(p))
+
+
+def test_enumerator_walks_each_types_degree_as_the_search(catalog):
+    """On the first test's devices, the enumerator's optimum over degrees (1, 2) per type is the search's best
+    step, and shorter than its optimum at either degree for all types alike: it walks unequal degrees too."""
+    fp = big_blocks()
+    ranks = [A100] * 2 + [V100] * 4
+    kw = dict(
+        global_batch=16, topology=per_type_topology(catalog, {A100: 1, V100: 4}), max_stages=4, micro_batches=(1, 2)
+    )
+    optimum = exhaustive_best_step(ranks, catalog, fp, tensor_parallel=(1, 2), **kw)
+    uniform = min(exhaustive_best_step(ranks, catalog, fp, tensor_parallel=(d,), **kw) for d in (1, 2))
+    assert optimum < 0.8 * uniform
+    best = plan(ranks, catalog, fp, tensor_parallel=(1, 2), **kw)[0]
+    assert best.predicted_step_s == pytest.approx(optimum, rel=1e-9)
 
 
 def test_tensor_parallel_member_holds_its_shard_and_pays_its_all_reduces(catalog):

@@ -1,8 +1,8 @@
 """Every plan of the search's space, for checking the search on small instances. Not used to plan.
 
-It shares with the search only the space's definition (stage counts, mixed
-compositions, node placement of stages, at ZeRO-1 no shape of one-stage kinds
-only) and the objective (``allocate`` plus ``shape_comm``: the gradient all-reduce,
+It shares with the search only the space's definition (the tensor-parallel degree
+assignments, stage counts, mixed compositions, one kind alone at unequal degrees,
+node placement of stages, at ZeRO-1 no shape of one-stage kinds only) and the objective (``allocate`` plus ``shape_comm``: the gradient all-reduce,
 then ZeRO-1's all-gather). Stage times and memory (at ZeRO-1 with each stage's Adam
 state split over its kind's replicas) are recomputed here from the
 per-layer costs with the scalar cost functions, every contiguous layer split and
@@ -30,6 +30,7 @@ from hetero_ray.plan.search import (
     Space,
     allocate,
     build_space,
+    degree_assignments,
     kind_types,
     local_members,
     searched_degrees,
@@ -50,8 +51,8 @@ def kind_options(
     replicas: int = 1,
 ):
     """Every feasible (micro-batch, split, checkpointing) of one kind replicated ``replicas`` times, dominated
-    ones dropped."""
-    S, L = len(stage_types), len(layers)
+    ones dropped. ``layers``: by type, a member's costs at the type's tensor-parallel degree."""
+    S, L = len(stage_types), len(next(iter(layers.values())))
     links = Kinds(space).links(stage_types)
     specs = {t: catalog.get(t) for t in set(stage_types)}
     precs = {t: choose_precision(specs[t], precision) for t in specs}
@@ -64,14 +65,14 @@ def kind_options(
             per_stage = []
             for s, t in enumerate(stage_types):
                 i, j = bounds[s], bounds[s + 1]
-                span = layers[i:j]
+                span = layers[t][i:j]
                 scale = activation_scale(precs[t])
-                inputs = [layers[k - 1].output_bytes_per_sample if k > 0 else 0.0 for k in range(i, j)]
+                inputs = [layers[t][k - 1].output_bytes_per_sample if k > 0 else 0.0 for k in range(i, j)]
                 msgs = 0.0
                 if s > 0:
                     msgs += p2p_seconds(inputs[0] * scale, m, *links[s - 1])
                 if s < S - 1:
-                    msgs += p2p_seconds(layers[j - 1].output_bytes_per_sample * scale, m, *links[s])
+                    msgs += p2p_seconds(layers[t][j - 1].output_bytes_per_sample * scale, m, *links[s])
                 choices = []
                 params = sum(c.params for c in span)
                 for ckpt in (False, True):
@@ -95,7 +96,7 @@ def kind_options(
                             tp_allreduce_seconds(
                                 c.output_bytes_per_sample * scale,
                                 m,
-                                space.tp_degree,
+                                space.tp_degrees[t],
                                 space.topology.intra(t),
                                 checkpointing=ckpt,
                                 # One stage: priced per sample, its share one micro-batch.
@@ -159,10 +160,11 @@ def exhaustive_best_step(
     tensor_parallel: Sequence[int] = (1,),
     zero_stage: int = 0,
 ) -> float:
-    """The shortest predicted step over every plan of the space (``inf`` if none fits), every
-    tensor-parallel degree of ``tensor_parallel`` tried (at ``zero_stage`` 1, degree 1 only, as the search)."""
+    """The shortest predicted step over every plan of the space (``inf`` if none fits), every assignment of
+    the degrees of ``tensor_parallel`` to the types tried as the search does (at ``zero_stage`` 1, degree 1
+    only)."""
     best = math.inf
-    for tp_degree in searched_degrees(tensor_parallel, zero_stage):
+    for degrees in degree_assignments(sorted(set(rank_types)), searched_degrees(tensor_parallel, zero_stage)):
         space = build_space(
             rank_types,
             catalog,
@@ -176,7 +178,7 @@ def exhaustive_best_step(
             max_stages=max_stages,
             micro_batches=micro_batches,
             seconds_per_sample=None,
-            tp_degree=tp_degree,
+            tp_degrees=degrees,
             zero_stage=zero_stage,
         )
         if space is not None:
@@ -185,9 +187,8 @@ def exhaustive_best_step(
 
 
 def best_step_in(space: Space, footprint: Footprint, catalog: Catalog, efficiency: float, precision: str) -> float:
-    """The shortest predicted step over every plan of one space (one tensor-parallel degree)."""
-    tp_degree = space.tp_degree
-    layers = tuple(c.shard(tp_degree) for c in workload_layers(footprint))
+    """The shortest predicted step over every plan of one space (one tensor-parallel degree per type)."""
+    layers = {t: tuple(c.shard(d) for c in workload_layers(footprint)) for t, d in space.tp_degrees.items()}
     cache: dict[tuple[tuple[str, ...], int], list[KindSplit]] = {}
 
     def options(types, replicas):
@@ -197,7 +198,7 @@ def best_step_in(space: Space, footprint: Footprint, catalog: Catalog, efficienc
         return cache[key]
 
     best = math.inf
-    for mixed in [None, *space.mixed_compositions()]:
+    for mixed in space.fixed_kinds():
         left = dict(space.counts)
         fixed = []
         if mixed is not None:

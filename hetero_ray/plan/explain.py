@@ -15,9 +15,9 @@ GiB = 2**30
 
 
 def _roles(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int, pipelines: int) -> list[WorkerRole]:
-    """The roles of one stage: one worker, or the members of its tensor-parallel group (an even split)."""
+    """The roles of one stage: one worker, or the members of its type's tensor-parallel group (an even split)."""
     role = _role(space, g, s, pipeline, units, offset, pipelines)
-    d = space.tp_degree
+    d = space.tp_degrees[role.gpu_type]
     if d == 1:
         return [role]
     return [replace(role, tp_weights=(1.0,) * d, tp_rank=k) for k in range(d)]
@@ -30,7 +30,7 @@ def _role(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int
     if split.stages == 1:
         local_batch = units
         micro = math.ceil(local_batch / math.ceil(local_batch / min(g.dp_micro_cap, local_batch)))
-        if space.tp_degree > 1:
+        if space.tp_degrees[t] > 1:
             # A tensor-parallel replica runs as a one-stage pipeline, whose micro-batches are all one size.
             micro = max(m for m in range(1, micro + 1) if local_batch % m == 0)
         flight, layers, busy = 1, None, units * split.compute_seconds[0]
@@ -68,18 +68,28 @@ def _role(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int
 
 def _devices(space: Space, n: int, gpu_type: str) -> str:
     """``n`` workers of a type: devices, or tensor-parallel groups of them."""
-    if space.tp_degree == 1:
+    d = space.tp_degrees[gpu_type]
+    if d == 1:
         return f"{n} × {gpu_type}"
-    return f"{n} × ({space.tp_degree} × {gpu_type} tensor parallel)"
+    return f"{n} × ({d} × {gpu_type} tensor parallel)"
 
 
-def exclusion(gpu_type: str, count: int, shape: Shape, fits_alone: set[str], tp_degree: int) -> Exclusion:
-    """Why ``count`` devices of ``gpu_type`` get no work in this plan."""
+def exclusion(
+    gpu_type: str, count: int, shape: Shape, fits_alone: set[str], tp_degree: int, *, one_kind: bool = False
+) -> Exclusion:
+    """Why ``count`` devices of ``gpu_type`` (tensor-parallel degree ``tp_degree`` in this plan) get no work.
+
+    ``one_kind``: the plan's types split layers at unequal degrees, so it holds one pipeline kind alone."""
     used = {t for g in shape.groups for t in g.split.stage_types}
-    if tp_degree > 1 and gpu_type not in fits_alone and gpu_type not in used:
-        reason = f"no tensor-parallel group of {tp_degree} on one node, or none that fits its memory"
-    elif gpu_type in used:
+    if gpu_type in used:
         reason = "left over: too few to form another pipeline of the chosen shapes"
+    elif one_kind:
+        reason = (
+            "the plan's stages split layers at unequal tensor-parallel degrees per type, so its pipelines are all "
+            "one kind (every pipeline holding a layer must split it alike), and this type is not in it"
+        )
+    elif tp_degree > 1 and gpu_type not in fits_alone:
+        reason = f"no tensor-parallel group of {tp_degree} on one node, or none that fits its memory"
     elif gpu_type not in fits_alone:
         reason = "no pipeline of this type alone fits its memory, and the plan is faster without it in a mixed one"
     else:
@@ -102,7 +112,7 @@ def build_plan(space: Space, shape: Shape, alloc: Allocation, *, emulated: bool,
             p += 1
     used = Counter(r.gpu_type for r in roles)
     excluded = tuple(
-        exclusion(t, n - used[t], shape, fits_alone, space.tp_degree)
+        exclusion(t, n - used[t], shape, fits_alone, space.tp_degrees.get(t, 1), one_kind=not space.uniform)
         for t, n in sorted(space.devices.items(), key=lambda tn: (tn[0] not in used, tn[0]))
         if n > used[t]
     )
@@ -187,6 +197,26 @@ def _zero_clause(space: Space, shape: Shape) -> str:
     )
 
 
+def _tp_clause(space: Space, shape: Shape) -> str:
+    """How the stages split their layers: one degree for every stage, or each type's own."""
+    how = (
+        "splitting its GPT blocks' heads and MLP columns evenly, their all-reduces on the node's links (the times "
+        "above are a member's, all-reduces included)"
+    )
+    if space.uniform:
+        d = next(iter(space.tp_degrees.values()))
+        return f"tensor parallel: each stage is {d} devices of one type on one node {how}"
+    grouping = {1: "alone", 2: "as tensor-parallel pairs"}
+    degrees = {t: space.tp_degrees[t] for g in shape.groups for t in g.split.stage_types}
+    per_type = ", ".join(
+        f"{t} stages {grouping.get(d, f'as tensor-parallel groups of {d}')}" for t, d in degrees.items()
+    )
+    return (
+        f"tensor parallel per type: {per_type}, each group on one node {how}; the pipelines are all one kind, "
+        "as every pipeline holding a layer must split it alike"
+    )
+
+
 def explain(space: Space, shape: Shape, alloc: Allocation, plan: Plan) -> str:
     """Plain language: each kind of pipeline, what each stage holds and why, the batch, communication."""
     sync = "gradient all-reduce and ZeRO-1 all-gather" if space.zero_stage else "gradient all-reduce"
@@ -221,12 +251,8 @@ def explain(space: Space, shape: Shape, alloc: Allocation, plan: Plan) -> str:
             parts = _stage_runs(space, g, roles)
             lines.append(head + ": " + "; ".join(parts))
         first += g.replicas
-    if space.tp_degree > 1:
-        lines.append(
-            f"tensor parallel: each stage is {space.tp_degree} devices of one type on one node splitting its GPT "
-            f"blocks' heads and MLP columns evenly, their all-reduces on the node's links (the times above are a "
-            f"member's, all-reduces included)"
-        )
+    if max(space.tp_degrees.values()) > 1:
+        lines.append(_tp_clause(space, shape))
     if space.zero_stage:
         lines.append(_zero_clause(space, shape))
     lines += [f"{e.count} × {e.gpu_type} unused: {e.reason}" for e in plan.excluded]

@@ -167,7 +167,8 @@ def search(
 
 
 def describe(p: Plan) -> str:
-    """A plan's shape in a few words: pipelines by their stage types, and the tensor-parallel degree."""
+    """A plan's shape in a few words: pipelines by their stage types, and the tensor-parallel degree (each
+    type's, where they differ)."""
     shapes: dict[tuple[str, ...], int] = {}
     firsts = [r for r in p.roles if r.tp_rank == 0]  # a tensor-parallel stage by its first member
     for pipe in sorted({r.pipeline for r in firsts}):
@@ -177,7 +178,11 @@ def describe(p: Plan) -> str:
     for stages, n in shapes.items():
         runs = [f"{len(list(g))}×{t}" for t, g in itertools.groupby(stages)]
         parts.append(f"{n} × DP {stages[0]}" if len(stages) == 1 else f"{n} × [{' → '.join(runs)}]")
-    tp = f" (tensor parallel ×{p.tensor_parallel})" if p.tensor_parallel > 1 else ""
+    degrees = {r.gpu_type: r.tp_degree for r in firsts}
+    if len(set(degrees.values())) > 1:
+        tp = " (tensor parallel " + ", ".join(f"×{d} on {t}" for t, d in degrees.items()) + ")"
+    else:
+        tp = f" (tensor parallel ×{p.tensor_parallel})" if p.tensor_parallel > 1 else ""
     zero = f" (ZeRO-{p.zero_stage})" if p.zero_stage else ""
     return ", ".join(parts) + tp + zero
 

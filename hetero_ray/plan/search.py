@@ -24,7 +24,12 @@ same one): devices of one type are interchangeable, so a plan is a *shape* —
    [i, j) keeps params[i, j) × (weights and gradients + Adam state / r) static bytes
    (a one-stage kind shards over its r data-parallel replicas alike) and a kind's
    split depends on r; shapes of one-stage kinds only (pure data parallelism, whose
-   ZeRO-1 shards across types by memory in ``plan/data_parallel.py``) are left out.
+   ZeRO-1 shards across types by memory in ``plan/data_parallel.py``) are left out;
+ - a tensor-parallel degree per type (``tensor_parallel``): every stage of a type is a
+   group of that many of its devices on one node. The runtime sums each layer's
+   gradients per tensor-parallel part, so every pipeline holding a layer must split it
+   alike: at one degree for every type, shapes are as above; at unequal degrees, a
+   shape is one mixed kind of exactly the types given a degree, replicated, alone.
 Step = slowest pipeline's (M-1)·max_stage + Σ stages (stage times include their
 stage-to-stage messages) + the gradient all-reduce (hierarchical, or 1-bit compressed)
 + at ZeRO-1, the all-gather of the updated fp32 parameters among each kind's replicas.
@@ -38,6 +43,11 @@ evaluated exactly (O(P log P) for P pipelines) in bound order until the bound pa
 the k-th best (branch and bound: no shape is missed). Nothing grows with the
 number of GPUs except that last exact allocation of a few shapes; measured here:
 about 0.5 s of CPU for 64 or 4096 GPUs of 4 types and 98 layers (bench/planner.py).
+With D tensor-parallel degrees, there are D uniform spaces and Σ_k C(T, k)·(D^k − D)
+of unequal degrees, each with the mixed kinds of all its k types only, a kind not split
+when ``kind_bound`` (its compute at the best balance) passes the k-th best so far:
+measured here, 4 types, 48 layers, degrees (1, 2, 4, 8): 7.6 s against 0.7 s for the
+uniform spaces alone; 3 types: 1 s; 2 types: 0.2 s; degree 1 alone costs nothing more.
 The micro-batch rule (sizes tried upwards while the time per sample improves) and
 the split's tie-break (pace, then fill) are the two places the search may miss the
 space's optimum; the enumerator measures by how much.
@@ -288,9 +298,11 @@ class Shape:
 class Space:
     """Everything the shapes of one planning problem share."""
 
-    counts: dict[str, int]  # devices per type; tensor-parallel groups per type at ``tp_degree`` > 1
-    devices: dict[str, int]  # devices per type
-    tp_degree: int  # every stage of every plan of the space is a group of this many devices of one type
+    counts: dict[str, int]  # tensor-parallel groups per type (devices where its degree is 1)
+    devices: dict[str, int]  # devices per type, those the space leaves out included
+    # Per type planned: every stage of the type is a group of this many of its devices on one node. Types of
+    # ``devices`` without a degree are another space's (see ``fixed_kinds``).
+    tp_degrees: dict[str, int]
     order: tuple[str, ...]  # types by memory, then speed: the stage order of mixed kinds
     tables: dict[str, TypeTable]
     topology: Topology
@@ -310,11 +322,27 @@ class Space:
 
     @property
     def dp_share(self) -> float:
-        """Samples a data-parallel worker (a group at ``tp_degree`` > 1) gets at an even split of the batch."""
+        """Samples a data-parallel worker (a tensor-parallel group where its degree is > 1) gets at an even split
+        of the batch."""
         return self.global_batch / sum(self.counts.values())
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every type planned has one tensor-parallel degree (kinds then mix freely)."""
+        return len(set(self.tp_degrees.values())) == 1
+
+    def fixed_kinds(self) -> list[dict[str, int] | None]:
+        """The mixed kind each block of shapes holds (``None``: none, single-type kinds only).
+
+        The runtime sums each layer's gradients per tensor-parallel part, so every pipeline holding a layer
+        must split it alike: at unequal degrees a shape is one mixed kind replicated and nothing beside it
+        (``stage_options`` then offers no single-type pipeline)."""
+        return ([None] if self.uniform else []) + self.mixed_compositions()
 
     def stage_options(self, gpu_type: str, available: int) -> list[int]:
         """Stage counts a single-type pipeline of ``gpu_type`` may have with ``available`` devices (0: unused)."""
+        if not self.uniform:
+            return [0]
         return [0] + [s for s in powers_of_two(min(self.max_stages, self.layers)) if s <= available]
 
     def replicas(self, composition: Mapping[str, int]) -> int:
@@ -322,10 +350,11 @@ class Space:
         return min(self.counts[t] // c for t, c in composition.items())
 
     def mixed_compositions(self) -> list[dict[str, int]]:
-        """Stages per type of every mixed kind: ≥ 2 types, powers of two, at most max_stages in all."""
+        """Stages per type of every mixed kind: ≥ 2 types, powers of two, at most max_stages in all. At unequal
+        degrees, kinds of every type the space plans only: a subset of them is the space of its own degrees."""
         out = []
         per_type = powers_of_two(self.max_stages)
-        for k in range(2, len(self.order) + 1):
+        for k in range(2, len(self.order) + 1) if self.uniform else (len(self.tp_degrees),):
             for subset in itertools.combinations(self.order, k):
                 for c in itertools.product(per_type, repeat=k):
                     if sum(c) <= min(self.max_stages, self.layers) and all(
@@ -352,6 +381,9 @@ class Kinds:
         self._cache: dict[tuple[tuple[str, ...], int], KindSplit | None] = {}
 
     def links(self, stage_types: tuple[str, ...]) -> list:
+        # A boundary between types of degrees d and d' carries d' copies of the activations forward and d of
+        # the gradients back over the NICs; the grouped topology's NIC share of the slower side prices it,
+        # as one member's message over its share of the NIC.
         topo = self.space.topology
         intra = {t: topo.intra(t) for t in set(stage_types)}
         return stage_links(stage_types, intra, topo.inter(set(stage_types)), lambda t: topo.node(t).gpus_per_node)
@@ -449,12 +481,16 @@ class Block:
         return groups, tuple(sorted(unused, key=lambda u: u[0] not in mixed_types))
 
 
-def blocks(space: Space, kinds: Kinds, group) -> list[Block]:
-    """Every shape of the plan space whose kinds fit in memory, as one block per mixed kind (or none)."""
+def blocks(space: Space, kinds: Kinds, group, cutoff: float = math.inf) -> list[Block]:
+    """Every shape of the plan space whose kinds fit in memory, as one block per mixed kind (or none); at
+    unequal degrees, those of kinds whose ``kind_bound`` is below ``cutoff`` only."""
     out = []
-    for mixed in [None, *space.mixed_compositions()]:
+    for mixed in space.fixed_kinds():
         left = dict(space.counts)
         fixed: tuple[Group, ...] = ()
+        # Spaces of unequal degrees are many (one per assignment): skip splitting kinds that cannot win.
+        if mixed is not None and not space.uniform and kind_bound(space, mixed) >= cutoff:
+            continue
         if mixed is not None:
             types = kind_types(mixed, space.order)
             r = space.replicas(mixed)
@@ -473,6 +509,28 @@ def blocks(space: Space, kinds: Kinds, group) -> list[Block]:
         )
         out.append(Block(fixed=fixed, options=options, lower=block_lower_bounds(space, fixed, options)))
     return out
+
+
+def kind_bound(space: Space, composition: Mapping[str, int]) -> float:
+    """A lower bound on the step of a mixed kind replicated alone (a shape of unequal degrees), before its split:
+    its pipelines' compute at the best balance of any split, at the smallest micro-batch.
+
+    With a_t a type's least seconds per unit of reference work W_l over layers, a stage of type t holding work
+    W_s takes at least m·a_t·W_s for m samples: the pace is at least m·W / Σ_s 1/a_t and the fill at least
+    m·min a_t·W. A pipeline's b samples take (b/m − 1)·pace + fill, which grows with m, and the slowest
+    pipeline has at least the batch over the replicas. Measured speeds, recomputation, all-reduces, messages
+    and the gradient synchronisation only add."""
+    tables = [space.tables[t] for t in composition]
+    work = np.diff(tables[0].flops)
+    held = work > 0
+    if not held.any():
+        return 0.0
+    per_work = {tb.gpu_type: float(np.min(np.diff(tb.flops)[held] / work[held])) * tb.seconds_per_flop for tb in tables}
+    total = float(work.sum())
+    harmonic = sum(c / per_work[t] for t, c in composition.items())
+    m = min(space.micro_batches)
+    samples = max(m, space.global_batch / space.replicas(composition))
+    return (samples - m) * total / harmonic + m * min(per_work.values()) * total
 
 
 def block_lower_bounds(space: Space, fixed: Sequence[Group], options) -> np.ndarray:
@@ -591,11 +649,13 @@ def build_space(
     micro_batches: Sequence[int],
     seconds_per_sample: SecondsPerSample | None,
     reduce_dtype: str = "fp32",
-    tp_degree: int = 1,
+    tp_degrees: Mapping[str, int] | None = None,
     zero_stage: int = 0,
 ) -> Space | None:
-    """Validate the inputs and tabulate every type's layer costs; at ``tp_degree`` > 1, those of groups of
-    that many devices of a type on one node (``None`` when no type has such a group)."""
+    """Validate the inputs and tabulate the layer costs of every type of ``tp_degrees`` (default: every type
+    at degree 1): where its degree d > 1, those of a member of a group of d devices of the type on one node.
+    Types without a degree are left out of the space. ``None`` when no type forms such a group, or, at
+    unequal degrees, when one type forms none (the space's one kind needs every type)."""
     if zero_stage not in (0, 1):
         raise ValueError(
             "zero_stage: the placement search shards Adam's state within pipeline stages (1) or not (0); "
@@ -620,10 +680,13 @@ def build_space(
     layers = workload_layers(footprint)
     for t in devices:
         topology.node(t)
+    tp_degrees = dict(tp_degrees) if tp_degrees is not None else dict.fromkeys(devices, 1)
+    if set(tp_degrees) - set(devices):
+        raise ValueError(f"tp_degrees: no devices of {', '.join(sorted(set(tp_degrees) - set(devices)))}")
     counts = {
-        t: n // tp_degree for t, n in devices.items() if n >= tp_degree and topology.node(t).gpus_per_node >= tp_degree
+        t: devices[t] // d for t, d in tp_degrees.items() if devices[t] >= d and topology.node(t).gpus_per_node >= d
     }
-    if not counts:
+    if not counts or (len(set(tp_degrees.values())) > 1 and len(counts) < len(tp_degrees)):
         return None
     tables = {
         t: type_table(
@@ -633,18 +696,18 @@ def build_space(
             precision=precision,
             efficiency=efficiency,
             seconds_per_sample=seconds_per_sample,
-            tp_degree=tp_degree,
+            tp_degree=tp_degrees[t],
             tp_link=topology.intra(t),
             dp_share=global_batch / sum(counts.values()),  # Space.dp_share
         )
         for t in counts
     }
-    topology = grouped_topology(topology, tp_degree)
+    topology = grouped_topology(topology, tp_degrees)
     order = tuple(sorted(counts, key=lambda t: (-tables[t].cap_bytes, tables[t].seconds_per_flop, t)))
     return Space(
         counts=counts,
         devices=devices,
-        tp_degree=tp_degree,
+        tp_degrees=tp_degrees,
         order=order,
         tables=tables,
         topology=topology,
@@ -660,18 +723,17 @@ def build_space(
     )
 
 
-def grouped_topology(topology: Topology, degree: int) -> Topology:
-    """The topology seen by tensor-parallel groups of ``degree`` devices: a node holds ``degree`` times fewer,
-    and the ``degree`` members' messages and all-reduces (one per shard) share the node's NIC."""
-    if degree == 1:
+def grouped_topology(topology: Topology, degrees: Mapping[str, int]) -> Topology:
+    """The topology seen by tensor-parallel groups of ``degrees[t]`` devices of each type t (1 where it has
+    none): its node holds that many times fewer, and the members' messages and all-reduces (one per shard)
+    share the node's NIC."""
+    if all(d == 1 for d in degrees.values()):
         return topology
     return Topology(
         nodes={
-            t: replace(
-                n, gpus_per_node=n.gpus_per_node // degree, nic_bandwidth_bytes_s=n.nic_bandwidth_bytes_s / degree
-            )
+            t: replace(n, gpus_per_node=n.gpus_per_node // d, nic_bandwidth_bytes_s=n.nic_bandwidth_bytes_s / d)
             for t, n in topology.nodes.items()
-            if n.gpus_per_node >= degree
+            if n.gpus_per_node >= (d := degrees.get(t, 1))
         },
         inter_latency_s=topology.inter_latency_s,
     )
@@ -703,8 +765,10 @@ def plan(
     (``adam``, ``onebit_adam``, ``zero_one_adam``) sizes optimizer state and, for
     the 1-bit ones, prices the compressed phase; ``seconds_per_sample`` overrides
     the FLOPs-based speed of a type with a measured one; ``reduce_dtype`` prices the gradients on the wire
-    (``train.reduce_dtype``); ``tensor_parallel``: the degrees tried, each for a whole plan (every stage a
-    group of that many devices of one type on one node). ``zero_stage`` 1: ZeRO-1 inside pipelines, each
+    (``train.reduce_dtype``); ``tensor_parallel``: the degrees tried, each type's stages groups of its degree's
+    devices on one node: every degree for all types alike, and every assignment of unequal degrees to two or
+    more types, whose plans are one mixed kind of those types replicated (every pipeline holding a layer
+    splits it alike). ``zero_stage`` 1: ZeRO-1 inside pipelines, each
     stage's Adam state sharded evenly over the replicas of its kind and the updated parameters all-gathered
     among them after the step; only plans with at least one pipeline of two or more stages are returned
     (pure data parallelism at ZeRO-1 is ``plan_data_parallel``'s), with adam only, and tensor-parallel
@@ -713,10 +777,11 @@ def plan(
     """
     if not tensor_parallel or any(d < 1 or d & (d - 1) for d in tensor_parallel):
         raise ValueError(f"tensor_parallel: degrees must be powers of two (got {list(tensor_parallel)})")
-    degrees = searched_degrees(tensor_parallel, zero_stage)
+    assignments = degree_assignments(sorted(set(rank_types)), searched_degrees(tensor_parallel, zero_stage))
     found = []
     reasons = []
-    for degree in degrees:
+    kth = math.inf  # the k-th best step found so far
+    for index, degrees in enumerate(assignments):
         space = build_space(
             rank_types,
             catalog,
@@ -731,33 +796,41 @@ def plan(
             micro_batches=micro_batches,
             seconds_per_sample=seconds_per_sample,
             reduce_dtype=reduce_dtype,
-            tp_degree=degree,
+            tp_degrees=degrees,
             zero_stage=zero_stage,
         )
-        if space is None:
+        if space is None or not space.fixed_kinds():
             continue
-        best = search_space(space, top_k)
+        best = search_space(space, top_k, cutoff=kth)
         if isinstance(best, str):
             reasons.append(best)
         else:
-            found += [(step, degree, space, shape, alloc, fits) for step, shape, alloc, fits in best]
+            found += [(step, index, space, shape, alloc, fits) for step, shape, alloc, fits in best]
+            if len(found) >= top_k:
+                kth = sorted(f[0] for f in found)[top_k - 1]
     if not found:
         return Infeasible(reasons[0])
     # Imported here: explain builds on this module's types.
     from hetero_ray.plan.explain import build_plan
 
     found.sort(key=lambda f: (f[0], f[1]))
+    chosen = found[:top_k]
     plans = [
         build_plan(space, shape, alloc, emulated=emulated, fits_alone=fits)
-        for _, _, space, shape, alloc, fits in found[:top_k]
+        for _, _, space, shape, alloc, fits in chosen
     ]
-    if len(degrees) == 1:
+    if len(assignments) == 1:
         return plans
-    # Why the degree: the best plan of each other degree tried, against this one.
+    # Why the degrees: the best plan of each other assignment tried, against this one. Unequal assignments
+    # count within the top_k only: those pruned by their bound are slower than all of it.
     best = {}
-    for step, degree, *_ in found:
-        best.setdefault(degree, step)
-    return [replace(p, explanation=p.explanation + "; " + tp_comparison(p, best, degrees)) for p in plans]
+    for step, index, space, *_ in found:
+        if space.uniform or step <= chosen[-1][0]:
+            best.setdefault(index, step)
+    return [
+        replace(p, explanation=p.explanation + "; " + tp_comparison(index, p.predicted_step_s, best, assignments))
+        for p, (_, index, *_) in zip(plans, chosen)
+    ]
 
 
 def searched_degrees(tensor_parallel: Sequence[int], zero_stage: int) -> list[int]:
@@ -766,22 +839,51 @@ def searched_degrees(tensor_parallel: Sequence[int], zero_stage: int) -> list[in
     return [1] if zero_stage else sorted(set(tensor_parallel))
 
 
-def tp_comparison(chosen: Plan, best: Mapping[int, float], tried: Sequence[int]) -> str:
-    """One clause: this plan's tensor-parallel degree against the best plan of every other degree tried."""
+def degree_assignments(types: Sequence[str], degrees: Sequence[int]) -> list[dict[str, int]]:
+    """The tensor-parallel degree of each type, one mapping per space searched: every degree for all
+    ``types`` alike (in order), then every assignment of unequal degrees to each subset of two or more
+    types (a space of unequal degrees plans its own types only: one of a subset is another space's)."""
+    out = [dict.fromkeys(types, d) for d in degrees]
+    for k in range(2, len(types) + 1):
+        for subset in itertools.combinations(types, k):
+            out += [dict(zip(subset, ds)) for ds in itertools.product(degrees, repeat=k) if len(set(ds)) > 1]
+    return out
+
+
+def degrees_name(degrees: Mapping[str, int]) -> str:
+    """An assignment in words: ``degree 2`` when every type has it, else ``degree 2 on V100-16GB and 1 on
+    A100-80GB`` (largest first, as ``Plan.tensor_parallel``)."""
+    if len(set(degrees.values())) == 1:
+        return f"degree {next(iter(degrees.values()))}"
+    return "degree " + " and ".join(f"{d} on {t}" for t, d in sorted(degrees.items(), key=lambda td: (-td[1], td[0])))
+
+
+def tp_comparison(chosen: int, step: float, best: Mapping[int, float], tried: Sequence[Mapping[str, int]]) -> str:
+    """One clause: the plan of assignment ``tried[chosen]`` (``step`` seconds) against the best plan of every
+    other uniform degree tried and the best plan of any other assignment of unequal degrees (``best``: the
+    best step by index in ``tried``: every uniform degree's where one fits, unequal ones' among the top plans
+    only, so that any other is no faster than ``step``)."""
+    uniform = [i for i, a in enumerate(tried) if len(set(a.values())) == 1]
     others = [
-        f"{best[d] * 1e3:.4g} ms at degree {d}" if d in best else f"none fits at degree {d}"
-        for d in sorted(set(tried))
-        if d != chosen.tensor_parallel
+        f"{best[i] * 1e3:.4g} ms at {degrees_name(tried[i])}" if i in best else f"none fits at {degrees_name(tried[i])}"
+        for i in uniform
+        if i != chosen
     ]
-    return (
-        f"tensor-parallel degree {chosen.tensor_parallel} ({chosen.predicted_step_s * 1e3:.4g} ms) against "
-        + ", ".join(others)
-    )
+    unequal = [i for i in best if i not in uniform and i != chosen]
+    if unequal:
+        i = min(unequal, key=best.__getitem__)
+        others.append(f"{best[i] * 1e3:.4g} ms at {degrees_name(tried[i])} (the best other per-type degrees)")
+    elif chosen in uniform and len(tried) > len(uniform):
+        others.append("none faster at unequal degrees per type")
+    return f"tensor-parallel {degrees_name(tried[chosen])} ({step * 1e3:.4g} ms) against " + ", ".join(others)
 
 
-def search_space(space: Space, top_k: int) -> list[tuple[float, Shape, Allocation, frozenset[str]]] | str:
+def search_space(
+    space: Space, top_k: int, cutoff: float = math.inf
+) -> list[tuple[float, Shape, Allocation, frozenset[str]]] | str:
     """The ``top_k`` best (step, shape, allocation, the types some single-type pipeline fits) of one space,
-    best first; or one line saying why none fits."""
+    best first; or one line saying why none fits. At unequal degrees, kinds whose ``kind_bound`` reaches
+    ``cutoff`` (the k-th best step of other spaces) are not split: they have no plan among the top_k."""
     kinds = Kinds(space)
     made: dict[tuple[tuple[str, ...], int], Group] = {}
 
@@ -790,7 +892,7 @@ def search_space(space: Space, top_k: int) -> list[tuple[float, Shape, Allocatio
             made[types, replicas] = make_group(space, kinds, types, replicas)
         return made[types, replicas]
 
-    space_blocks = blocks(space, kinds, group)
+    space_blocks = blocks(space, kinds, group, cutoff)
     lower = np.concatenate([b.lower.ravel() for b in space_blocks]) if space_blocks else np.empty(0)
     owner = np.concatenate([np.full(b.lower.size, i) for i, b in enumerate(space_blocks)]) if space_blocks else lower
     start = np.concatenate([[0], np.cumsum([b.lower.size for b in space_blocks])])
@@ -834,11 +936,7 @@ def search_space(space: Space, top_k: int) -> list[tuple[float, Shape, Allocatio
 def infeasible_reason(space: Space) -> str:
     """One line: the smallest memory shortfall over the space's kinds (at ZeRO-1, each replicated as often as
     the devices allow), or why the batch cannot be split."""
-    kinds = [
-        ((t,) * s, space.counts[t] // s)
-        for t in space.order
-        for s in powers_of_two(min(space.max_stages, space.layers, space.counts[t]))
-    ]
+    kinds = [((t,) * s, space.counts[t] // s) for t in space.order for s in space.stage_options(t, space.counts[t])[1:]]
     kinds += [(kind_types(c, space.order), space.replicas(c)) for c in space.mixed_compositions()]
     if space.zero_stage:
         kinds = [(types, r) for types, r in kinds if len(types) > 1]
