@@ -10,9 +10,11 @@
   on the meta device. Not a measurement of a run.
 - ``predicted_over_measured``: the planner's predicted step ÷ the step measured on throttled devices
   (``bench/plan_accuracy.py``'s cluster: 2 × A100-80GB + 2 × V100-16GB as CPU slices of 0.40 and 0.22
-  of a core, a named 1 Gbit/s link, profiled first) for its best plan of tensor-parallel degree 2, and
-  beside it for its best plan without. Emulated, throttled: compute takes the time it takes; the
-  members' all-reduces and every other message are held to the named link.
+  of a core, a named 1 Gbit/s link, profiled first) for its best plan of tensor-parallel degree 2;
+  ``predicted_over_measured_unequal`` the same for its best plan whose types have unequal degrees (stages
+  of different degrees in one pipeline, on hetero-ray's own schedule); beside them its best plan without
+  tensor parallelism. Emulated, throttled: compute takes the time it takes; the members' all-reduces and
+  every other message are held to the named link.
 
 Usage: python bench/tensor_split.py [--steps 16] [--no-measure] [--json-out docs/measurements/tensor-split.json]
 """
@@ -55,6 +57,15 @@ def split_max_abs() -> dict:
     return out
 
 
+def tp_degrees(p) -> dict[str, int]:
+    """The tensor-parallel degree of each GPU type's stages in plan ``p``."""
+    return {r.gpu_type: r.tp_degree for r in p.roles}
+
+
+# The plans measured: (name, degrees tried, whether the types' degrees must differ).
+MEASURED = (("degree 2", (2,), False), ("unequal degrees per type", (1, 2), True), ("degree 1", (1,), False))
+
+
 def modelled_gain() -> dict:
     """The planner's best plan on the named case, without and with tensor parallelism."""
     from hetero_ray.cluster.catalog import load_catalog
@@ -85,6 +96,7 @@ def modelled_gain() -> dict:
         return {
             "step_s": p.predicted_step_s,
             "tensor_parallel": p.tensor_parallel,
+            "tp_degrees": tp_degrees(p),
             "used": {t: sum(r.gpu_type == t for r in p.roles) for t in DEVICES},
             "unused": {e.gpu_type: e.count for e in p.excluded},
             "explanation": p.explanation,
@@ -117,8 +129,8 @@ def measured(steps: int) -> dict:
 
         prepared = prepare(cfg)
         types = rank_types(cfg)
-        for degree in (2, 1):
-            best = plan(
+        for i, (name, degrees, unequal) in enumerate(MEASURED):
+            plans = plan(
                 types,
                 prepared.catalog,
                 prepared.footprint,
@@ -128,16 +140,19 @@ def measured(steps: int) -> dict:
                 efficiency=prepared.efficiency,
                 emulated=True,
                 seconds_per_sample=profiled_speeds(cfg, prepared.catalog),
-                tensor_parallel=(degree,),
-                top_k=1,
-            )[0]
-            run = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"{cfg.run.name}-tp{degree}"})})
+                tensor_parallel=degrees,
+                # The best plan of unequal degrees is among the top ones, after those of degree 1.
+                top_k=100 if unequal else 1,
+            )
+            best = next(p for p in plans if len(set(tp_degrees(p).values())) > 1 or not unequal)
+            run = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"{cfg.run.name}-tp{i}"})})
             metrics = run_training(run, replace(prepared, plan=best)).metrics
             records.append(
                 {
-                    "tensor_parallel": degree,
-                    "shape": pa.describe(replace(best, roles=tuple(r for r in best.roles if r.tp_rank == 0)))
-                    + (f" (each stage {degree} members, tensor parallel)" if degree > 1 else ""),
+                    "name": name,
+                    "tensor_parallel": best.tensor_parallel,
+                    "tp_degrees": tp_degrees(best),
+                    "shape": pa.describe(replace(best, roles=tuple(r for r in best.roles if r.tp_rank == 0))),
                     "predicted_step_s": best.predicted_step_s,
                     "measured_step_s": metrics["step_s"],
                     "predicted_over_measured": best.predicted_step_s / metrics["step_s"],
@@ -173,8 +188,12 @@ def main() -> int:
     }
     if not args.no_measure:
         runs = measured(args.steps)
-        tp = next(p for p in runs["plans"] if p["tensor_parallel"] == 2)
-        result |= {"predicted_over_measured": tp["predicted_over_measured"], "measured": runs}
+        ratio = {p["name"]: p["predicted_over_measured"] for p in runs["plans"]}
+        result |= {
+            "predicted_over_measured": ratio["degree 2"],
+            "predicted_over_measured_unequal": ratio["unequal degrees per type"],
+            "measured": runs,
+        }
     result["command"] = " ".join(["python bench/tensor_split.py", *sys.argv[1:]])
     text = json.dumps(result, indent=2)
     print(text)
