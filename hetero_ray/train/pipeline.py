@@ -287,8 +287,9 @@ class _OwnSchedule:
         self.order = actions(schedule, edge.stage, edge.stages, n_micro)
 
     def _recv(self, source: int) -> torch.Tensor:
-        # A header of the shape first: an activation's shape is the sender's to know (stages carry fp32).
-        header = torch.zeros(8, dtype=torch.int64)
+        # A header of the shape first: an activation's shape is the sender's to know (stages carry fp32). On the
+        # device, as NCCL sends nothing else.
+        header = torch.zeros(8, dtype=torch.int64, device=self.device)
         dist.recv(header, source)
         out = torch.empty(header[1 : 1 + int(header[0])].tolist(), dtype=torch.float32, device=self.device)
         dist.recv(out, source)
@@ -297,9 +298,7 @@ class _OwnSchedule:
     @staticmethod
     def _send(tensor: torch.Tensor, to: tuple[int, ...], pending: list) -> None:
         tensor = tensor.detach().contiguous()
-        header = torch.zeros(8, dtype=torch.int64)
-        header[0] = tensor.dim()
-        header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
+        header = torch.tensor([tensor.dim(), *tensor.shape, *[0] * (7 - tensor.dim())], device=tensor.device)
         for rank in to:
             # The tensors stay referenced until their sends are waited on.
             pending.append((dist.isend(header, rank), header))
