@@ -468,6 +468,9 @@ CASES = [
          plan_file(split_differs_plan),
          rf"{PLN}: roles\.3\.tp_weights: unsplit, but roles\.0 holds some of the same layers split \[1\.0, 1\.0\]; "
          r"the pipelines holding a layer must split it alike \(its gradients are summed per part\)$"),
+    Case("plan-tp-precision-differs", PLAN, "a tensor-parallel stage whose member 1 runs fp16, member 0 bf16",
+         plan_file(lambda: edit(tp_plan_dict(members=2), "roles.1.precision", "fp16")),
+         rf"{PLN}: roles\.1\.precision: differs from roles\.0's; the members of a tensor-parallel stage share it$"),
     Case("plan-tp-weight-zero", PLAN, "`tp_weights: [1, 0]`",
          plan_file(lambda: tp_plan_dict(members=2, weights=[1, 0])),
          rf"{PLN}: roles\.0: tp_weights \[1\.0, 0\.0\] must all be positive and finite"),

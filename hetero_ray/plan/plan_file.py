@@ -189,7 +189,8 @@ def _check_tensor_groups(plan: _Plan) -> str | None:
             if ranks != list(range(d)):
                 return f"roles.{i}.tp_rank: stage {s} of pipeline {p} has members {ranks}; each of 0 to {d - 1} exactly once"
             for j, role in members:
-                for name in ("tp_weights", "layers", "local_batch", "micro_batch", "sample_offset"):
+                # Precision too: the members' all-reduces add their partial sums, which must share a dtype.
+                for name in ("tp_weights", "layers", "local_batch", "micro_batch", "sample_offset", "precision"):
                     if getattr(role, name) != getattr(head, name):
                         return f"roles.{j}.{name}: differs from roles.{i}'s; the members of a tensor-parallel stage share it"
     heads = [members[0] for members in stages.values()]
