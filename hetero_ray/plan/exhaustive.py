@@ -2,8 +2,9 @@
 
 It shares with the search only the space's definition (the tensor-parallel degree
 assignments, stage counts, mixed compositions, one kind alone at unequal degrees,
-node placement of stages, at ZeRO-1 no shape of one-stage kinds only) and the objective (``allocate`` plus ``shape_comm``: the gradient all-reduce,
-then ZeRO-1's all-gather). Stage times and memory (at ZeRO-1 with each stage's Adam
+node placement of stages, at ZeRO-1 no shape of one-stage kinds only) and the
+objective (``allocate`` plus ``shape_comm``: the gradient all-reduce, then ZeRO-1's
+all-gather). Stage times and memory (at ZeRO-1 with each stage's Adam
 state split over its kind's replicas) are recomputed here from the
 per-layer costs with the scalar cost functions, every contiguous layer split and
 every checkpointing choice per stage and every micro-batch size per kind is
