@@ -70,14 +70,17 @@ PLANS = {
             member(0, 1, (2, 4), 12, 3, 0, (1.0, 1.0), 0),
         ],
     ),
-    # Stages of different degrees (our own schedule): two members split 5 : 3, then one whole stage.
-    "a stage of two, then one": ("gpipe", TWO_THEN_ONE),
-    # One, three split 4 : 3 : 1, one; 1F1B; two pipelines of that layout, 6 samples each.
-    "one, three, one, twice, 1f1b": (
+    # Stages of different degrees (our own schedule): two members split 5 : 3, then one whole stage; two
+    # pipelines of that layout, 6 samples each, their parts of each layer summed.
+    "a stage of two, then one, twice": (
+        "gpipe",
+        [member(p, r.stage, r.layers, 6, 3, 6 * p, r.tp_weights, r.tp_rank) for p in (1, 0) for r in TWO_THEN_ONE],
+    ),
+    # One, three split 4 : 3 : 1, one; 1F1B.
+    "one, three, one, 1f1b": (
         "1f1b",
         [
-            member(p, s, layers, 6, 3, 6 * p, weights, k)
-            for p in (1, 0)
+            member(0, s, layers, 12, 3, 0, weights, k)
             for s, layers, weights in ((2, (3, 4), None), (0, (0, 1), None), (1, (1, 3), (4.0, 3.0, 1.0)))
             for k in range(len(weights or (1,)))
         ],
@@ -98,8 +101,8 @@ HEADS = {
     "two stages of two": [[4], [3], [5], [4]],
     "two stages of two, 1f1b checkpointed": [[4], [3], [5], [4]],
     "two replicas of two": [[3, 3], [5, 5], [5, 5], [3, 3]],
-    "a stage of two, then one": [[], [3], [5]],
-    "one, three, one, twice, 1f1b": [[], [], [4, 4], [3, 3], [1, 1]] * 2,
+    "a stage of two, then one, twice": [[], [3], [5]] * 2,
+    "one, three, one, 1f1b": [[], [], [4, 4], [3, 3], [1, 1]],
 }
 # The two-by-two pipeline beside a whole-model replica without tensor parallelism: refused.
 MIXED = [
@@ -222,12 +225,15 @@ def test_stages_of_different_degrees_exchange_across_each_boundary_by_member_mod
     assert boundary(TWO_THEN_ONE, 2) == Boundary(0, 2, None, (0,), 0, ())
     assert boundary(TWO_THEN_ONE, 1) == Boundary(0, 2, None, (), 0, ())
     assert boundary(TWO_THEN_ONE, 0) == Boundary(1, 2, 2, (), None, (2, 1))
-    _, roles = PLANS["one, three, one, twice, 1f1b"]
-    # Pipeline 0's ranks: stage 2 on 5, stage 0 on 6, stage 1's members 0, 1, 2 on 7, 8, 9.
-    assert boundary(roles, 6) == Boundary(0, 3, None, (7, 8, 9), 7, ())
-    assert boundary(roles, 8) == Boundary(1, 3, 6, (), 5, ())
-    assert boundary(roles, 7) == Boundary(1, 3, 6, (5,), 5, (6,))
-    assert boundary(roles, 5) == Boundary(2, 3, 7, (), None, (7, 8, 9))
+    _, twice = PLANS["a stage of two, then one, twice"]
+    # Pipeline 0's ranks 3, 4, 5 are pipeline 1's 0, 1, 2 shifted: each pipeline its own boundaries.
+    assert boundary(twice, 3) == Boundary(1, 2, 5, (), None, (5, 4))
+    _, roles = PLANS["one, three, one, 1f1b"]
+    # Stage 2 on rank 0, stage 0 on 1, stage 1's members 0, 1, 2 on 2, 3, 4.
+    assert boundary(roles, 1) == Boundary(0, 3, None, (2, 3, 4), 2, ())
+    assert boundary(roles, 3) == Boundary(1, 3, 1, (), 0, ())
+    assert boundary(roles, 2) == Boundary(1, 3, 1, (0,), 0, (1,))
+    assert boundary(roles, 0) == Boundary(2, 3, 2, (), None, (2, 3, 4))
     assert boundary(TWO_BY_TWO, 0) is None
 
 
