@@ -147,12 +147,16 @@ def tp_plan_dict(members: int, weights: list | None = None) -> dict:
     return {"global_batch": 8, "split": "proportional", "emulated": True, "roles": roles, "predicted_compute_s": 0.3}
 
 
+def split_first(data: dict) -> dict:
+    """``data`` with its first role a tensor-parallel pair, the other roles as they are."""
+    split = {**data["roles"][0], "tp_weights": [1, 1]}
+    data["roles"] = [*({**split, "tp_rank": k} for k in range(2)), *data["roles"][1:]]
+    return data
+
+
 def split_differs_plan() -> dict:
     """``pipeline_plan_dict`` with pipeline 0's stage 0 a tensor-parallel pair, pipeline 1's whole."""
-    data = pipeline_plan_dict()
-    split = {**data["roles"][0], "tp_weights": [1, 1]}
-    data["roles"][0:1] = [{**split, "tp_rank": k} for k in range(2)]
-    return data
+    return split_first(pipeline_plan_dict())
 
 
 def two_stage_plan() -> dict:
@@ -467,6 +471,10 @@ CASES = [
     Case("plan-tp-split-differs", PLAN, "two pipelines whose first stages hold the same layers, one split in two",
          plan_file(split_differs_plan),
          rf"{PLN}: roles\.3\.tp_weights: unsplit, but roles\.0 holds some of the same layers split \[1\.0, 1\.0\]; "
+         r"the pipelines holding a layer must split it alike \(its gradients are summed per part\)$"),
+    Case("plan-tp-replica-beside-unsplit", PLAN, "a whole-model tensor-parallel pair beside a whole-model V100",
+         plan_file(lambda: split_first(two_device_plan())),
+         rf"{PLN}: roles\.2\.tp_weights: unsplit, but roles\.0 holds some of the same layers split \[1\.0, 1\.0\]; "
          r"the pipelines holding a layer must split it alike \(its gradients are summed per part\)$"),
     Case("plan-tp-precision-differs", PLAN, "a tensor-parallel stage whose member 1 runs fp16, member 0 bf16",
          plan_file(lambda: edit(tp_plan_dict(members=2), "roles.1.precision", "fp16")),

@@ -193,7 +193,9 @@ def _check_tensor_groups(plan: _Plan) -> str | None:
                 for name in ("tp_weights", "layers", "local_batch", "micro_batch", "sample_offset", "precision"):
                     if getattr(role, name) != getattr(head, name):
                         return f"roles.{j}.{name}: differs from roles.{i}'s; the members of a tensor-parallel stage share it"
-    heads = [members[0] for members in stages.values()]
+    # Every stage by its member 0, a whole-model worker without tensor parallelism too: an unsplit replica beside
+    # a split one holds every layer unsplit.
+    heads = [(i, role) for i, role in enumerate(plan.roles) if role.tp_rank == 0]
     for a, (i, x) in enumerate(heads):
         for j, y in heads[a + 1 :]:
             overlap = (
