@@ -141,31 +141,37 @@ def searched(cfg: dict, **options) -> list[Plan]:
 
 
 def mixed_degree_plan(cfg: dict) -> Plan:
-    """One pipeline whose stages differ in tensor-parallel degree: the embedding and block 0 split over the A100
-    pair (from the planner's best plan of degree 2, whose first replica is that pair), block 1 and the head on
-    one V100; the other V100 idle."""
+    """One pipeline whose stages differ in tensor-parallel degree and whose first stage spans two GPU types: the
+    embedding and block 0 split 5 : 3 over an A100 and a V100 (from the planner's best plan of degree 2, whose
+    first replica is an A100 pair, its second member moved to a V100), block 1 and the head on the other V100;
+    the other A100 idle."""
     pair = [r for r in searched(cfg, tensor_parallel=(2,), top_k=1)[0].roles if r.gpu_type == "A100-80GB"]
-    v100 = replace(pair[0], gpu_type="V100-16GB", memory_cap_bytes=16 * 2**30, tp_weights=None, tp_rank=0)
-    staged = [replace(r, layers=(0, 2)) for r in pair] + [replace(v100, stage=1, layers=(2, 4))]
+    v100 = {"gpu_type": "V100-16GB", "memory_cap_bytes": 16 * 2**30}
+    split = [replace(pair[0], tp_weights=(5.0, 3.0)), replace(pair[1], tp_weights=(5.0, 3.0), **v100)]
+    staged = [replace(r, layers=(0, 2)) for r in split]
+    staged.append(replace(pair[0], stage=1, layers=(2, 4), tp_weights=None, tp_rank=0, **v100))
     return Plan(
         global_batch=12,
         split="by hand",
         emulated=True,
         roles=tuple(replace(r, local_batch=12, micro_batch=6, sample_offset=0) for r in staged),
         predicted_compute_s=0.0,
-        excluded=(Exclusion(gpu_type="V100-16GB", count=1, reason="one V100 holds the second stage"),),
+        excluded=(Exclusion(gpu_type="A100-80GB", count=1, reason="an A100 and two V100s hold the stages"),),
         schedule="1f1b",
     )
 
 
-def test_a_plan_whose_stages_differ_in_degree_trains_like_one_process_and_resumes_on_another(cluster, tmp_path):
-    """A pipeline of a tensor-parallel A100 pair (every GPT block's heads and MLP columns split) then one V100,
-    run by our own 1F1B schedule, submitted with --plan and stopped half-way, then resumed on the config's own
-    data-parallel plan: the run ends where one process on the full batch ends (clipping and the schedule
-    included), its checkpoints holding the whole model."""
+def test_a_stage_split_across_gpu_types_then_one_device_trains_like_one_process_and_resumes_on_another(
+    cluster, tmp_path
+):
+    """A pipeline of a tensor-parallel stage over an A100 and a V100 (every GPT block's heads and MLP columns split
+    5 : 3 across the two types), then one V100, run by our own 1F1B schedule, submitted with --plan and stopped
+    half-way, then resumed on the config's own data-parallel plan: the run ends where one process on the full
+    batch ends (clipping and the schedule included), its checkpoints holding the whole model."""
     cfg = run_config(tmp_path / "runs", "tensor-parallel")
     plan = mixed_degree_plan(cfg)
     assert plan.tensor_parallel == 2 and [r.tp_degree for r in plan.roles] == [2, 2, 1]
+    assert [r.gpu_type for r in plan.roles] == ["A100-80GB", "V100-16GB", "V100-16GB"]
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps({**plan.to_dict(), "workload": cfg["workload"]}))
     job_id, _ = submit(cluster, tmp_path, cfg, plan=plan_file)
