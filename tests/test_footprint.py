@@ -93,3 +93,7 @@ def test_what_a_tensor_parallel_split_divides_is_measured_per_block() -> None:
         assert member.flops_per_sample == block.flops_per_sample / degree
         assert member.output_bytes_per_sample == block.output_bytes_per_sample
     assert block.shard(1) == block and embed.shard(4) == embed
+    # An uneven member (5 of 8) holds its weight's share of the split part, the rest whole.
+    member = block.part(5 / 8)
+    assert member.flops_per_sample == block.flops_per_sample * 5 / 8
+    assert member.params == round(6 * C + block.tp_params * 5 / 8)

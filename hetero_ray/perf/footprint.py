@@ -52,9 +52,14 @@ class LayerCost:
 
     def shard(self, degree: int) -> LayerCost:
         """One member's costs when ``degree`` devices split the layer evenly (the layer itself at degree 1)."""
-        if degree == 1 or not self.splittable:
+        return self.part(1 / degree)
+
+    def part(self, held: float) -> LayerCost:
+        """One member's costs when it holds ``held`` of the layer's split matrices (an uneven split gives each
+        member its weight's share); what the split leaves whole, every member computes and holds whole."""
+        if held == 1 or not self.splittable:
             return self
-        cut = (degree - 1) / degree
+        cut = 1 - held
         return replace(
             self,
             params=round(self.params - self.tp_params * cut),

@@ -48,6 +48,11 @@ class WorkerRole:
         return len(self.tp_weights) if self.tp_weights else 1
 
     @property
+    def tp_share(self) -> float:
+        """The part of each split layer this member holds: its weight over the stage's (1 without a split)."""
+        return self.tp_weights[self.tp_rank] / sum(self.tp_weights) if self.tp_weights else 1.0
+
+    @property
     def accumulation_steps(self) -> int:
         return math.ceil(self.local_batch / self.micro_batch)
 

@@ -164,11 +164,11 @@ def setup_worker(payload: dict[str, Any]) -> WorkerContext:
 
 def _flops_per_sample(footprint: Footprint, role: WorkerRole, plan: Plan) -> float:
     """FLOPs of one sample on this worker: its stage's layers under a pipeline (a tensor-parallel member's
-    share of them), with recomputation if any."""
+    share of them, by its weight), with recomputation if any."""
     # A pipelined plan may keep one whole-model replica beside its staged pipelines (layers None).
     flops = (
         sum(
-            footprint.layers[i].shard(role.tp_degree).flops_per_sample
+            footprint.layers[i].part(role.tp_share).flops_per_sample
             for i in range(*(role.layers or (0, len(footprint.layers))))
         )
         if plan.is_pipelined
