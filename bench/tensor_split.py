@@ -15,6 +15,11 @@
   of different degrees in one pipeline, on hetero-ray's own schedule); beside them its best plan without
   tensor parallelism. Emulated, throttled: compute takes the time it takes; the members' all-reduces and
   every other message are held to the named link.
+- ``speed_split_speedup``: on the same cluster, a layer split across GPU types: two replicas, each one
+  tensor-parallel stage over an A100 and a V100 holding the whole model, its heads and MLP columns split
+  in proportion to the two types' speeds as the profile measured them, against the same pairs split in
+  halves: the step measured with halves ÷ the step measured by speed. Both are plans made by hand (the
+  planner forms tensor-parallel groups of one type), so no prediction is compared.
 
 Usage: python bench/tensor_split.py [--steps 16] [--no-measure] [--json-out docs/measurements/tensor-split.json]
 """
@@ -129,7 +134,24 @@ def measured(steps: int) -> dict:
 
         prepared = prepare(cfg)
         types = rank_types(cfg)
-        for i, (name, degrees, unequal) in enumerate(MEASURED):
+        speeds = profiled_speeds(cfg, prepared.catalog)
+
+        made: list[str] = []
+
+        def run(name: str, p) -> dict:
+            # A run name of its own: one already used would resume that run's last checkpoint.
+            made.append(name)
+            update = {"run": cfg.run.model_copy(update={"name": f"{cfg.run.name}-{len(made)}"})}
+            metrics = run_training(cfg.model_copy(update=update), replace(prepared, plan=p)).metrics
+            return {
+                "name": name,
+                "shape": pa.describe(replace(p, roles=tuple(r for r in p.roles if r.tp_rank == 0))),
+                "measured_step_s": metrics["step_s"],
+                "devices": [pa.device_record(d) for d in metrics["devices"]],
+                "roles": [pa.role_record(r) | {"tp_rank": r.tp_rank, "tp_weights": r.tp_weights} for r in p.roles],
+            }
+
+        for name, degrees, unequal in MEASURED:
             plans = plan(
                 types,
                 prepared.catalog,
@@ -139,28 +161,30 @@ def measured(steps: int) -> dict:
                 precision=cfg.train.precision,
                 efficiency=prepared.efficiency,
                 emulated=True,
-                seconds_per_sample=profiled_speeds(cfg, prepared.catalog),
+                seconds_per_sample=speeds,
                 tensor_parallel=degrees,
                 # The best plan of unequal degrees is among the top ones, after those of degree 1.
                 top_k=100 if unequal else 1,
             )
             best = next(p for p in plans if len(set(tp_degrees(p).values())) > 1 or not unequal)
-            run = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"{cfg.run.name}-tp{i}"})})
-            metrics = run_training(run, replace(prepared, plan=best)).metrics
+            if name == "degree 2":
+                degree_two = best
+            record = run(name, best)
             records.append(
-                {
-                    "name": name,
+                record
+                | {
                     "tensor_parallel": best.tensor_parallel,
                     "tp_degrees": tp_degrees(best),
-                    "shape": pa.describe(replace(best, roles=tuple(r for r in best.roles if r.tp_rank == 0))),
                     "predicted_step_s": best.predicted_step_s,
-                    "measured_step_s": metrics["step_s"],
-                    "predicted_over_measured": best.predicted_step_s / metrics["step_s"],
+                    "predicted_over_measured": best.predicted_step_s / record["measured_step_s"],
                     "explanation": best.explanation,
-                    "devices": [pa.device_record(d) for d in metrics["devices"]],
-                    "roles": [pa.role_record(r) | {"tp_rank": r.tp_rank} for r in best.roles],
                 }
             )
+        by_speed = speed_weights(speeds, degree_two)
+        across = [
+            run(f"across types, {name}", across_types(degree_two, w))
+            for name, w in (("by speed", by_speed), ("halves", (1.0, 1.0)))
+        ]
     return {
         "kind": "emulated, throttled: CPU slices whose speeds the profile measured; messages held to the link",
         "cluster": pa.DEVICES,
@@ -170,7 +194,40 @@ def measured(steps: int) -> dict:
         "link": pa.LINK,
         "steps": steps,
         "plans": records,
+        "across_types": across,
     }
+
+
+def speed_weights(speeds, plan) -> tuple[float, float]:
+    """(A100, V100) in proportion to the profile's samples per second of each, in the precision ``plan`` gives
+    it, at the micro-batch the pairs run."""
+    micro = plan.global_batch // 2
+    precision = {r.gpu_type: r.precision for r in plan.roles}
+    per_sample = [speeds(t, precision[t], micro) for t in ("A100-80GB", "V100-16GB")]
+    return tuple(min(per_sample) / s for s in per_sample)
+
+
+def across_types(plan, weights: tuple[float, float]):
+    """Two replicas, each one tensor-parallel stage over an A100 (member 0) and a V100 (member 1) split by
+    ``weights``, the batch halved between them: ``plan``'s degree-2 roles of each type, regrouped."""
+    from hetero_ray.plan.plan import Plan
+
+    first = {t: next(r for r in plan.roles if r.gpu_type == t) for t in ("A100-80GB", "V100-16GB")}
+    half = plan.global_batch // 2
+    roles = tuple(
+        replace(
+            first[t],
+            pipeline=p,
+            tp_rank=k,
+            tp_weights=weights,
+            local_batch=half,
+            micro_batch=half,
+            sample_offset=p * half,
+        )
+        for p in range(2)
+        for k, t in enumerate(first)
+    )
+    return Plan(global_batch=plan.global_batch, split="by hand", emulated=True, roles=roles, predicted_compute_s=0.0)
 
 
 def main() -> int:
@@ -192,6 +249,9 @@ def main() -> int:
         result |= {
             "predicted_over_measured": ratio["degree 2"],
             "predicted_over_measured_unequal": ratio["unequal degrees per type"],
+            "speed_split_speedup": runs["across_types"][1]["measured_step_s"]
+            / runs["across_types"][0]["measured_step_s"],
+            "speed_split_weights": runs["across_types"][0]["roles"][0]["tp_weights"],
             "measured": runs,
         }
     result["command"] = " ".join(["python bench/tensor_split.py", *sys.argv[1:]])
