@@ -20,8 +20,9 @@ sweep's own space (×/÷ --spread around the prediction), evenly in log.
 With ``--search precision`` it runs the precision sweep instead (``tuning/precision.py``): every combination of
 fp32 and each type's half precision, the emulated devices computing in it, scored on held-out samples; prints per
 type the precision chosen (the fastest within 1 % of all-fp32's loss), and the half precision's samples/s and
-loss ÷ all-fp32's (to docs/measurements/tune-precision-<mode>.json). On CPU slices half precision is slower
-than fp32 (no tensor cores): what it measures there is the CPU's answer, not a GPU's.
+loss ÷ all-fp32's (to docs/measurements/tune-precision-<mode>.json), each trial scored on its last window
+(recorded: --steps 8 --windows 2 --global-batch 96; a first window holds the trial's start-up). On CPU slices
+half precision is slower than fp32 (no tensor cores): what it measures there is the CPU's answer, not a GPU's.
 Usage: python bench/tune.py [--mode throttled|padded] [--grid-points 9] [--trials 5] [--steps 12] [--windows 2]
        [--repeats 2] [--search shares|precision]
 """
