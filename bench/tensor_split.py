@@ -209,7 +209,8 @@ def speed_weights(speeds, plan) -> tuple[float, float]:
 
 def across_types(plan, weights: tuple[float, float]):
     """Two replicas, each one tensor-parallel stage over an A100 (member 0) and a V100 (member 1) split by
-    ``weights``, the batch halved between them: ``plan``'s degree-2 roles of each type, regrouped."""
+    ``weights``, the batch halved between them: ``plan``'s degree-2 roles of each type, regrouped, without their
+    predictions (the planner prices no such stage)."""
     from hetero_ray.plan.plan import Plan
 
     first = {t: next(r for r in plan.roles if r.gpu_type == t) for t in ("A100-80GB", "V100-16GB")}
@@ -223,6 +224,7 @@ def across_types(plan, weights: tuple[float, float]):
             local_batch=half,
             micro_batch=half,
             sample_offset=p * half,
+            predicted_compute_s=0.0,
         )
         for p in range(2)
         for k, t in enumerate(first)
