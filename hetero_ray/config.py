@@ -152,6 +152,12 @@ class TrainConfig(_Strict):
         description="Largest tensor-parallel degree the planner may choose for a whole plan (a power of two): "
         "every stage a group of that many devices of one type on one node, splitting its GPT blocks. 1: none.",
     )
+    tensor_parallel_across: list[list[str]] = Field(
+        default_factory=list,
+        description="GPU types whose devices share nodes, one of each per node, e.g. [[A100-80GB, V100-16GB]]: the "
+        "planner may then also make a stage a group of one device of each, its GPT blocks split in proportion to "
+        "their speeds, where max_tensor_parallel allows a group that large. Every emulated device is on one host.",
+    )
     checkpoint_every: int = Field(20, gt=0, description="Steps between checkpoints.")
     report_every: int = Field(10, gt=0, description="Steps between metric reports.")
     duration_s: float | None = Field(
@@ -415,6 +421,25 @@ class RunConfig(_Strict):
                 f"train.max_tensor_parallel: {train.max_tensor_parallel} needs the placement planner, and {why} "
                 "runs data parallelism only; use max_tensor_parallel: 1 with it"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _groups_across_types_name_devices(self) -> RunConfig:
+        for k, group in enumerate(self.train.tensor_parallel_across):
+            where = f"train.tensor_parallel_across[{k}]"
+            missing = [t for t in group if t not in self.devices]
+            if missing:
+                raise ValueError(
+                    f"{where}: {missing[0]} is not a GPU type of the run{did_you_mean(missing[0], self.devices)}; "
+                    f"devices has {', '.join(self.devices)}"
+                )
+            if len(set(group)) < 2 or len(set(group)) < len(group):
+                raise ValueError(f"{where}: {group} must name two or more different GPU types, each once")
+            if len(group) > self.train.max_tensor_parallel:
+                raise ValueError(
+                    f"{where}: a group of {len(group)} needs train.max_tensor_parallel >= {len(group)} (it is "
+                    f"{self.train.max_tensor_parallel})"
+                )
         return self
 
     @model_validator(mode="after")

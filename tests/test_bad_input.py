@@ -489,6 +489,21 @@ CASES = [
          cli(train(lambda d: config(d, train__max_tensor_parallel=2, optimizer={"name": "onebit_adam"}))),
          rf"{CFG}: train\.max_tensor_parallel: 2 needs the placement planner, and optimizer onebit_adam runs data "
          r"parallelism only; use max_tensor_parallel: 1 with it$"),
+    Case("tp-across-unknown-type", TRAIN, "`train: {tensor_parallel_across: [[A100-80GB, V100-32GB]]}`",
+         cli(train(lambda d: config(d, train__max_tensor_parallel=2,
+                                    train__tensor_parallel_across=[["A100-80GB", "V100-32GB"]]))),
+         rf"{CFG}: train\.tensor_parallel_across\[0\]: V100-32GB is not a GPU type of the run \(did you mean "
+         r"'V100-16GB' or 'A100-80GB'\?\); devices has A100-80GB, V100-16GB$"),
+    Case("tp-across-one-type", TRAIN, "`train: {tensor_parallel_across: [[V100-16GB, V100-16GB]]}`",
+         cli(train(lambda d: config(d, train__max_tensor_parallel=2,
+                                    train__tensor_parallel_across=[["V100-16GB", "V100-16GB"]]))),
+         rf"{CFG}: train\.tensor_parallel_across\[0\]: \['V100-16GB', 'V100-16GB'\] must name two or more "
+         r"different GPU types, each once$"),
+    Case("tp-across-above-max-tp", TRAIN, "`train: {tensor_parallel_across: [[A100-80GB, V100-16GB]]}` at "
+         "`max_tensor_parallel: 1`",
+         cli(train(lambda d: config(d, train__tensor_parallel_across=[["A100-80GB", "V100-16GB"]]))),
+         rf"{CFG}: train\.tensor_parallel_across\[0\]: a group of 2 needs train\.max_tensor_parallel >= 2 \(it is "
+         r"1\)$"),
     Case("plan-cmd-max-tp", "hetero-ray plan", "`--max-tp 3`",
          cli(lambda d: ["plan", "--max-tp", "3"]), r"--max-tp: must be a power of two >= 1, e.g. 1, 2, 4, 8 \(got 3\)$"),
     Case("plan-cmd-zero-stage", "hetero-ray plan", "`--zero-stage 4`",

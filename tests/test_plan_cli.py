@@ -192,6 +192,36 @@ def test_a_run_config_lets_the_planner_split_a_block_no_v100_holds(tmp_path: Pat
     assert "none fits at degree 1" in plan.explanation
 
 
+def test_a_run_config_lets_the_planner_split_a_block_across_an_a100_and_a_v100(tmp_path: Path, capsys):
+    """The same block on an A100-80GB and a V100-16GB: the V100 holds no block alone and has no V100 to pair
+    with, so it gets the head alone; with `train.tensor_parallel_across: [[A100-80GB, V100-16GB]]` the planner
+    splits the whole model over the two, the V100's part in proportion to its speed, and the step is shorter
+    (the plan `train` would run)."""
+    import yaml
+
+    def planned(across: list) -> Plan:
+        run = tmp_path / "run.yaml"
+        config = {
+            "devices": {"A100-80GB": 1, "V100-16GB": 1},
+            "workload": {"name": "gpt", "options": json.loads(HUGE)},
+            "train": {"global_batch": 8, "max_tensor_parallel": 2, "tensor_parallel_across": across},
+            "run": {"name": "plan-test", "storage_path": str(tmp_path / "runs")},
+        }
+        run.write_text(yaml.safe_dump(config))
+        assert main(["plan", "--config", str(run), "--output", str(tmp_path / "plan.json"), "--json", "--force"]) == 0
+        return Plan.from_dict(json.loads(capsys.readouterr().out)["plans"][0])
+
+    alone = planned([])
+    assert [(r.gpu_type, r.layers) for r in alone.roles] == [("A100-80GB", (0, 2)), ("V100-16GB", (2, 3))]
+    split = planned([["A100-80GB", "V100-16GB"]])
+    assert split.predicted_step_s < alone.predicted_step_s
+    assert [(r.gpu_type, r.tp_rank) for r in split.roles] == [("A100-80GB", 0), ("V100-16GB", 1)]
+    a100, v100 = split.roles[0].tp_weights
+    assert 0.5 < a100 < 0.9 and a100 + v100 == pytest.approx(1.0)
+    assert all(r.predicted_memory_bytes <= r.memory_cap_bytes for r in split.roles)
+    assert "split across its types by speed" in split.explanation
+
+
 def planned_from_config(tmp_path: Path, capsys, devices: dict, gpt: dict, global_batch: int, stage) -> Plan:
     """`hetero-ray plan --config` on a run config of ``devices`` and the GPT of ``gpt`` at ZeRO ``stage`` (100
     Gbit/s between devices): the chosen plan."""

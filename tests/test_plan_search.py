@@ -12,13 +12,13 @@ from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.perf.footprint import Footprint, LayerCost, measure_footprint
 from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.plan.exhaustive import exhaustive_best_step
-from hetero_ray.plan.instances import random_instance, with_split
+from hetero_ray.plan.instances import random_instance, with_mixed_nodes, with_split
 from hetero_ray.plan.plan import Infeasible, Plan
 from hetero_ray.plan.plan_file import parse_plan
 from hetero_ray.plan.report import describe
 from hetero_ray.plan.search import plan
-from hetero_ray.plan.stages import MeasuredSpeeds, stage_work, type_table
-from hetero_ray.plan.topology import Topology, uniform_topology
+from hetero_ray.plan.stages import MeasuredSpeeds, group_table, stage_work, type_table
+from hetero_ray.plan.topology import MixedNodeKind, Topology, uniform_topology
 from hetero_ray.workloads import build_workload
 
 GiB = 2**30
@@ -237,6 +237,112 @@ def test_enumerator_walks_each_types_degree_as_the_search(catalog):
     assert optimum < 0.8 * uniform
     best = plan(ranks, catalog, fp, tensor_parallel=(1, 2), **kw)[0]
     assert best.predicted_step_s == pytest.approx(optimum, rel=1e-9)
+
+
+def split_across_types(p: Plan) -> bool:
+    """Whether some stage of ``p`` is a tensor-parallel group of more than one GPU type."""
+    groups: dict[tuple[int, int], set[str]] = {}
+    for r in p.roles:
+        if r.tp_weights:
+            groups.setdefault((r.pipeline, r.stage), set()).add(r.gpu_type)
+    return any(len(types) > 1 for types in groups.values())
+
+
+def test_a_layer_split_across_types_lets_a_card_too_small_for_it_join(catalog):
+    """Two nodes, each an A100-80GB beside a V100-16GB. No V100 holds a block of 2^30 parameters, and no node
+    holds two V100s, so without splitting across types the V100s sit out. Split by speed over each node's
+    A100 and V100 (fp16, which both run: 312 and 125 TFLOP/s, 0.71 : 0.29), every device trains, each member
+    within its own memory, the step is shorter, and the enumerator finds no better plan."""
+    fp = big_blocks()
+    ranks = [A100] * 2 + [V100] * 2
+    plain = per_type_topology(catalog, {A100: 1, V100: 1})
+    mixed = replace(plain, mixed=(MixedNodeKind(gpu_types=(A100, V100), nodes=2, nic_bandwidth_bytes_s=100e9 / 8),))
+    kw = dict(global_batch=64, tensor_parallel=(1, 2))
+    without = plan(ranks, catalog, fp, topology=plain, **kw)[0]
+    assert {e.gpu_type: e.count for e in without.excluded} == {V100: 2}
+    best = plan(ranks, catalog, fp, topology=mixed, **kw)[0]
+    check_invariants(best, ranks, 4)
+    assert split_across_types(best) and not best.excluded and len(best.roles) == 4
+    assert best.predicted_step_s < 0.8 * without.predicted_step_s
+    weights = catalog.get(A100).peak_flops("fp16"), catalog.get(V100).peak_flops("fp16")
+    for r in best.roles:
+        assert r.tp_weights == pytest.approx(tuple(w / sum(weights) for w in weights))
+        assert r.gpu_type == (A100, V100)[r.tp_rank] and r.precision == "fp16"
+        assert r.memory_cap_bytes == catalog.get(r.gpu_type).memory_bytes
+    v100 = next(r for r in best.roles if r.gpu_type == V100)
+    a100 = next(r for r in best.roles if r.gpu_type == A100 and r.stage == v100.stage)
+    assert v100.predicted_memory_bytes < a100.predicted_memory_bytes / 2  # a member holds its part
+    assert "A100-80GB+V100-16GB stages split across its types by speed (0.71 : 0.29)" in best.explanation
+    assert f"against {without.predicted_step_s * 1e3:.4g} ms at degree 1" in best.explanation
+    optimum = exhaustive_best_step(ranks, catalog, fp, topology=mixed, max_stages=8, micro_batches=(1, 2, 4, 8), **kw)
+    assert best.predicted_step_s == pytest.approx(optimum, rel=1e-9)
+
+
+def test_a_group_across_types_is_its_slowest_member_and_each_member_its_part(catalog):
+    """A member holds the split layers in proportion to its speed and the rest whole; the group's time is its
+    slowest member's, which every member's part takes alike (the split is by speed)."""
+    fp = with_blocks(layered(2, 10**8, 6e11, 1e8, 4e6))
+    group = group_table(
+        f"{A100}+{V100}",
+        (A100, V100),
+        catalog,
+        fp.layers,
+        precision="auto",
+        efficiency=0.4,
+        seconds_per_sample=None,
+        tp_link=(16e9, 5e-6),
+    )
+    assert group.precision == "fp16" and [m.precision for m in group.members] == ["fp16", "fp16"]
+    split = fp.layers[0]
+    for member, w in zip(group.members, group.weights):
+        assert member.params[1] == round(split.params - split.tp_params * (1 - w))
+        assert member.flops[1] * member.seconds_per_flop == pytest.approx(
+            group.flops[1] * group.seconds_per_flop, rel=0.02
+        )  # the whole part (1 % of the layer here) runs at each member's speed
+    assert group.seconds_per_flop == max(m.seconds_per_flop for m in group.members)
+    assert group.cap_bytes == catalog.get(A100).memory_bytes + catalog.get(V100).memory_bytes
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_search_is_optimal_where_nodes_mix_types(catalog, seed):
+    """Random instances whose first two types also share nodes: the search's best step (groups across types
+    tried beside every degree per type) is the enumerator's."""
+    inst = with_mixed_nodes(random_instance(seed, catalog))
+    kw = dict(
+        global_batch=inst.global_batch,
+        topology=inst.topology,
+        max_stages=4,
+        micro_batches=(1, 2),
+        tensor_parallel=(1, 2),
+    )
+    ranks = list(inst.rank_types)
+    result = plan(ranks, catalog, inst.footprint, **kw)
+    optimum = exhaustive_best_step(ranks, catalog, inst.footprint, **kw)
+    if isinstance(result, Infeasible):
+        assert optimum == float("inf")
+        return
+    for p in result:
+        check_invariants(p, ranks, len(inst.footprint.layers))
+    assert result[0].predicted_step_s <= 1.01 * optimum
+
+
+def test_some_random_instances_split_a_layer_across_types(catalog):
+    """Guards the test above: on these seeds the best plan of several splits a layer across types."""
+    chosen = []
+    for seed in range(16):
+        inst = with_mixed_nodes(random_instance(seed, catalog))
+        result = plan(
+            list(inst.rank_types),
+            catalog,
+            inst.footprint,
+            global_batch=inst.global_batch,
+            topology=inst.topology,
+            max_stages=4,
+            micro_batches=(1, 2),
+            tensor_parallel=(1, 2),
+        )
+        chosen.append(isinstance(result, list) and split_across_types(result[0]))
+    assert sum(chosen) >= 2, chosen
 
 
 def test_tensor_parallel_member_holds_its_shard_and_pays_its_all_reduces(catalog):

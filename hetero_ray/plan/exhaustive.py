@@ -31,15 +31,14 @@ from hetero_ray.plan.search import (
     Space,
     allocate,
     build_space,
-    degree_assignments,
     kind_types,
     local_members,
     searched_degrees,
+    searched_spaces,
     shape_comm,
 )
 from hetero_ray.plan.stages import KindSplit, workload_layers
 from hetero_ray.plan.topology import Topology
-from hetero_ray.train.precision import choose_precision
 
 
 def kind_options(
@@ -52,11 +51,13 @@ def kind_options(
     replicas: int = 1,
 ):
     """Every feasible (micro-batch, split, checkpointing) of one kind replicated ``replicas`` times, dominated
-    ones dropped. ``layers``: by type, a member's costs at the type's tensor-parallel degree."""
-    S, L = len(stage_types), len(next(iter(layers.values())))
+    ones dropped. ``layers``: by type, each member's (GPU type, costs) in its tensor-parallel group (one member
+    of a type's even group; every member of a group across types, at its part). A stage fits where every
+    member fits, checkpoints on all members or none, and takes its slowest member's time."""
+    S, L = len(stage_types), len(next(iter(layers.values()))[0][1])
     links = Kinds(space).links(stage_types)
-    specs = {t: catalog.get(t) for t in set(stage_types)}
-    precs = {t: choose_precision(specs[t], precision) for t in specs}
+    specs = {m: catalog.get(m) for t in set(stage_types) for m, _ in layers[t]}
+    precs = {t: space.tables[t].precision for t in set(stage_types)}
     options = []
     for m in space.micro_batches if S > 1 else (1,):
         if m > space.global_batch:
@@ -66,47 +67,25 @@ def kind_options(
             per_stage = []
             for s, t in enumerate(stage_types):
                 i, j = bounds[s], bounds[s + 1]
-                span = layers[t][i:j]
+                whole = layers[t][0][1]  # what crosses a boundary is whole on every member
                 scale = activation_scale(precs[t])
-                inputs = [layers[t][k - 1].output_bytes_per_sample if k > 0 else 0.0 for k in range(i, j)]
+                inputs = [whole[k - 1].output_bytes_per_sample if k > 0 else 0.0 for k in range(i, j)]
                 msgs = 0.0
                 if s > 0:
                     msgs += p2p_seconds(inputs[0] * scale, m, *links[s - 1])
                 if s < S - 1:
-                    msgs += p2p_seconds(layers[t][j - 1].output_bytes_per_sample * scale, m, *links[s])
+                    msgs += p2p_seconds(whole[j - 1].output_bytes_per_sample * scale, m, *links[s])
                 choices = []
-                params = sum(c.params for c in span)
                 for ckpt in (False, True):
-                    memory = stage_memory_bytes(
-                        params,
-                        [c.activation_bytes_per_sample for c in span],
-                        inputs,
-                        optimizer=space.optimizer,
-                        world=2,
-                        state_shards=space.state_shards(replicas),
-                        micro_batch=m,
-                        in_flight=in_flight(space.schedule, S, S, s),
-                        scale=scale,
-                        checkpointing=ckpt,
-                    )
-                    if memory <= specs[t].memory_bytes:
-                        flops = m * sum(c.flops_per_sample for c in span)
-                        compute = stage_compute_seconds(
-                            flops, specs[t].peak_flops(precs[t]), efficiency, checkpointing=ckpt
-                        ) + sum(
-                            tp_allreduce_seconds(
-                                c.output_bytes_per_sample * scale,
-                                m,
-                                space.tp_degrees[t],
-                                space.topology.intra(t),
-                                checkpointing=ckpt,
-                                # One stage: priced per sample, its share one micro-batch.
-                                batches=1.0 if S > 1 else 1 / space.dp_share,
-                            )
-                            for c in span
-                            if c.splittable
+                    members = [
+                        member_cost(
+                            space, t, specs[gpu], precs[t], costs[i:j], inputs, m, s, S, ckpt, efficiency, replicas
                         )
-                        choices.append((ckpt, compute, compute + msgs, params))
+                        for gpu, costs in layers[t]
+                    ]
+                    if all(c is not None for c in members):
+                        compute = max(c for c, _ in members)
+                        choices.append((ckpt, compute, compute + msgs, max(p for _, p in members)))
                 if not choices:
                     break
                 per_stage.append(choices)
@@ -125,6 +104,44 @@ def kind_options(
                         )
                     )
     return pareto(options)
+
+
+def member_cost(
+    space: Space, t: str, spec, prec: str, span, inputs, m: int, s: int, S: int, ckpt: bool, efficiency, replicas
+) -> tuple[float, int] | None:
+    """(compute seconds, parameters) of one device of stage ``s`` of type ``t`` holding ``span`` (its costs of
+    the stage's layers) at micro-batch ``m``; ``None`` where it does not fit the device's memory."""
+    params = sum(c.params for c in span)
+    scale = activation_scale(prec)
+    memory = stage_memory_bytes(
+        params,
+        [c.activation_bytes_per_sample for c in span],
+        inputs,
+        optimizer=space.optimizer,
+        world=2,
+        state_shards=space.state_shards(replicas),
+        micro_batch=m,
+        in_flight=in_flight(space.schedule, S, S, s),
+        scale=scale,
+        checkpointing=ckpt,
+    )
+    if memory > spec.memory_bytes:
+        return None
+    flops = m * sum(c.flops_per_sample for c in span)
+    compute = stage_compute_seconds(flops, spec.peak_flops(prec), efficiency, checkpointing=ckpt) + sum(
+        tp_allreduce_seconds(
+            c.output_bytes_per_sample * scale,
+            m,
+            space.tp_degrees[t],
+            space.topology.intra(t),
+            checkpointing=ckpt,
+            # One stage: priced per sample, its share one micro-batch.
+            batches=1.0 if S > 1 else 1 / space.dp_share,
+        )
+        for c in span
+        if c.splittable
+    )
+    return compute, params
 
 
 def pareto(options: Sequence[KindSplit]) -> list[KindSplit]:
@@ -165,13 +182,13 @@ def exhaustive_best_step(
     the degrees of ``tensor_parallel`` to the types tried as the search does (at ``zero_stage`` 1, degree 1
     only)."""
     best = math.inf
-    for degrees in degree_assignments(sorted(set(rank_types)), searched_degrees(tensor_parallel, zero_stage)):
+    for types, topo, degrees in searched_spaces(rank_types, topology, searched_degrees(tensor_parallel, zero_stage)):
         space = build_space(
-            rank_types,
+            types,
             catalog,
             footprint,
             global_batch=global_batch,
-            topology=topology,
+            topology=topo,
             optimizer=optimizer,
             precision=precision,
             efficiency=efficiency,
@@ -189,7 +206,17 @@ def exhaustive_best_step(
 
 def best_step_in(space: Space, footprint: Footprint, catalog: Catalog, efficiency: float, precision: str) -> float:
     """The shortest predicted step over every plan of one space (one tensor-parallel degree per type)."""
-    layers = {t: tuple(c.shard(d) for c in workload_layers(footprint)) for t, d in space.tp_degrees.items()}
+    whole = workload_layers(footprint)
+    layers = {
+        t: tuple(
+            (member.gpu_type, tuple(c.part(w) for c in whole))
+            for member, w in zip(space.tables[t].members, space.tables[t].weights)
+        )
+        if space.tables[t].members
+        else ((t, tuple(c.shard(d) for c in whole)),)
+        for t, d in space.tp_degrees.items()
+        if t in space.tables
+    }
     cache: dict[tuple[tuple[str, ...], int], list[KindSplit]] = {}
 
     def options(types, replicas):

@@ -10,22 +10,33 @@ from dataclasses import replace
 from hetero_ray.plan.memory import in_flight, stage_memory_bytes
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
 from hetero_ray.plan.search import Allocation, Group, Shape, Space
+from hetero_ray.plan.stages import TypeTable
 
 GiB = 2**30
 
 
 def _roles(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int, pipelines: int) -> list[WorkerRole]:
-    """The roles of one stage: one worker, or the members of its type's tensor-parallel group (an even split)."""
-    role = _role(space, g, s, pipeline, units, offset, pipelines)
-    d = space.tp_degrees[role.gpu_type]
+    """The roles of one stage: one worker, or the members of its type's tensor-parallel group (an even split), or
+    of a group across types (each its own type, memory and part, split by speed)."""
+    t = g.split.stage_types[s]
+    table = space.tables[t]
+    if table.members:
+        return [
+            replace(_role(space, g, s, pipeline, units, offset, pipelines, m), tp_weights=table.weights, tp_rank=k)
+            for k, m in enumerate(table.members)
+        ]
+    role = _role(space, g, s, pipeline, units, offset, pipelines, table)
+    d = space.tp_degrees[t]
     if d == 1:
         return [role]
     return [replace(role, tp_weights=(1.0,) * d, tp_rank=k) for k in range(d)]
 
 
-def _role(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int, pipelines: int) -> WorkerRole:
+def _role(
+    space: Space, g: Group, s: int, pipeline: int, units: int, offset: int, pipelines: int, table: TypeTable
+) -> WorkerRole:
+    """One worker of stage ``s`` on ``table``'s device (a member's, in a group across types)."""
     split, t = g.split, g.split.stage_types[s]
-    table = space.tables[t]
     i, j = split.bounds[s], split.bounds[s + 1]
     if split.stages == 1:
         local_batch = units
@@ -51,7 +62,7 @@ def _role(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int
         checkpointing=split.checkpointing[s],
     )
     return WorkerRole(
-        gpu_type=t,
+        gpu_type=table.gpu_type,
         local_batch=local_batch,
         micro_batch=micro,
         sample_offset=offset,
@@ -67,8 +78,12 @@ def _role(space: Space, g: Group, s: int, pipeline: int, units: int, offset: int
 
 
 def _devices(space: Space, n: int, gpu_type: str) -> str:
-    """``n`` workers of a type: devices, or tensor-parallel groups of them."""
+    """``n`` workers of a type: devices, or tensor-parallel groups of them, or groups across types."""
     d = space.tp_degrees[gpu_type]
+    table = space.tables[gpu_type]
+    if table.members:
+        split = " : ".join(f"{w:.2f}" for w in table.weights)
+        return f"{n} × ({' + '.join(m.gpu_type for m in table.members)} tensor parallel, split {split} by speed)"
     if d == 1:
         return f"{n} × {gpu_type}"
     return f"{n} × ({d} × {gpu_type} tensor parallel)"
@@ -110,7 +125,10 @@ def build_plan(space: Space, shape: Shape, alloc: Allocation, *, emulated: bool,
             roles += stage_roles
             offset += stage_roles[0].local_batch
             p += 1
-    used = Counter(r.gpu_type for r in roles)
+    used = Counter()  # devices by the space's types (a group across types counts as its own)
+    for g in shape.groups:
+        for t in g.split.stage_types:
+            used[t] += g.replicas * space.tp_degrees[t]
     excluded = tuple(
         exclusion(t, n - used[t], shape, fits_alone, space.tp_degrees.get(t, 1), one_kind=not space.uniform)
         for t, n in sorted(space.devices.items(), key=lambda tn: (tn[0] not in used, tn[0]))
@@ -158,7 +176,7 @@ def _stage_runs(space: Space, g: Group, roles) -> list[str]:
         where = f"stage {run[0]}" if len(run) == 1 else f"stages {run[0]}-{run[-1]}"
         memory = max(roles[s].predicted_memory_bytes for s in run)
         parts.append(
-            f"{where} on {_devices(space, g.replicas, first.gpu_type)} ({first.precision}) hold{'s' * (len(run) == 1)} "
+            f"{where} on {_devices(space, g.replicas, split.stage_types[run[0]])} ({first.precision}) hold{'s' * (len(run) == 1)} "
             f"{counts} layers [{first.layers[0]}, {last.layers[1]}) because {_why_layers(space, g, run[0])}; "
             f"up to {memory / GiB:.2f} of {first.memory_cap_bytes / GiB:g} GiB"
             + (", with activation checkpointing to fit" if first.activation_checkpointing else "")
@@ -200,8 +218,8 @@ def _zero_clause(space: Space, shape: Shape) -> str:
 def _tp_clause(space: Space, shape: Shape) -> str:
     """How the stages split their layers: one degree for every stage, or each type's own."""
     how = (
-        "splitting its GPT blocks' heads and MLP columns evenly, their all-reduces on the node's links (the times "
-        "above are a member's, all-reduces included)"
+        "splitting its GPT blocks' heads and MLP columns (evenly among devices of one type), their all-reduces "
+        "on the node's links (the times above are a member's, all-reduces included)"
     )
     if space.uniform:
         d = next(iter(space.tp_degrees.values()))
@@ -209,7 +227,10 @@ def _tp_clause(space: Space, shape: Shape) -> str:
     grouping = {1: "alone", 2: "as tensor-parallel pairs"}
     degrees = {t: space.tp_degrees[t] for g in shape.groups for t in g.split.stage_types}
     per_type = ", ".join(
-        f"{t} stages {grouping.get(d, f'as tensor-parallel groups of {d}')}" for t, d in degrees.items()
+        f"{t} stages split across its types by speed ({' : '.join(f'{w:.2f}' for w in space.tables[t].weights)})"
+        if space.tables[t].members
+        else f"{t} stages {grouping.get(d, f'as tensor-parallel groups of {d}')}"
+        for t, d in degrees.items()
     )
     return (
         f"tensor parallel per type: {per_type}, each group on one node {how}; the pipelines are all one kind, "
@@ -239,7 +260,7 @@ def explain(space: Space, shape: Shape, alloc: Allocation, plan: Plan) -> str:
                 else f"micro-batch {r.micro_batch}"
             )
             lines.append(
-                f"{_devices(space, g.replicas, r.gpu_type)} data parallel ({r.precision}): {per} samples each, {why}, "
+                f"{_devices(space, g.replicas, split.stage_types[0])} data parallel ({r.precision}): {per} samples each, {why}, "
                 f"{r.predicted_memory_bytes / GiB:.2f} of {r.memory_cap_bytes / GiB:g} GiB"
             )
         else:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from hetero_ray.cluster.catalog import Catalog
 from hetero_ray.perf.footprint import Footprint, LayerCost
-from hetero_ray.plan.topology import Topology, uniform_topology
+from hetero_ray.plan.topology import MixedNodeKind, Topology, uniform_topology
 
 # Types of different speed, memory and precision, so that every kind of plan can win somewhere.
 SMALL_TYPES = ("A100-80GB", "V100-16GB", "T4", "A10")
@@ -85,3 +85,15 @@ def random_instance(seed: int, catalog: Catalog) -> Instance:
         inter_node_gbps=gbps,
         gpus_per_node=gpn,
     )
+
+
+def with_mixed_nodes(inst: Instance) -> Instance:
+    """``inst`` whose first two types also share nodes, one device of each per node, as many nodes as the scarcer
+    type has devices, over PCIe: where the planner may split a layer across the two types."""
+    first, second = list(dict.fromkeys(inst.rank_types))[:2]
+    mixed = MixedNodeKind(
+        gpu_types=(first, second),
+        nodes=min(inst.rank_types.count(first), inst.rank_types.count(second)),
+        nic_bandwidth_bytes_s=inst.inter_node_gbps * 1e9 / 8,
+    )
+    return replace(inst, topology=replace(inst.topology, mixed=(mixed,)))

@@ -29,7 +29,12 @@ same one): devices of one type are interchangeable, so a plan is a *shape* —
    group of that many of its devices on one node. The runtime sums each layer's
    gradients per tensor-parallel part, so every pipeline holding a layer must split it
    alike: at one degree for every type, shapes are as above; at unequal degrees, a
-   shape is one mixed kind of exactly the types given a degree, replicated, alone.
+   shape is one mixed kind of exactly the types given a degree, replicated, alone;
+ - where nodes hold several types (``Topology.mixed``), a group of one device of each
+   of a node's types is a type of its own, its GPT blocks split in proportion to the
+   members' speeds (``stages.group_table``): a stage of it fits where every member
+   fits its own memory and takes its slowest member's time. Its spaces are the group
+   alone or beside one other type, one kind replicated alone as at unequal degrees.
 Step = slowest pipeline's (M-1)·max_stage + Σ stages (stage times include their
 stage-to-stage messages) + the gradient all-reduce (hierarchical, or 1-bit compressed)
 + at ZeRO-1, the all-gather of the updated fp32 parameters among each kind's replicas.
@@ -75,6 +80,7 @@ from hetero_ray.plan.stages import (
     KindSplit,
     SecondsPerSample,
     TypeTable,
+    group_table,
     min_shortfall,
     split_kind,
     stage_links,
@@ -82,7 +88,7 @@ from hetero_ray.plan.stages import (
     type_table,
     workload_layers,
 )
-from hetero_ray.plan.topology import Topology
+from hetero_ray.plan.topology import Topology, is_group
 from hetero_ray.suggest import did_you_mean
 
 GiB = 2**30
@@ -328,8 +334,9 @@ class Space:
 
     @property
     def uniform(self) -> bool:
-        """Whether every type planned has one tensor-parallel degree (kinds then mix freely)."""
-        return len(set(self.tp_degrees.values())) == 1
+        """Whether every type planned has one tensor-parallel degree and none is a group across types (kinds
+        then mix freely)."""
+        return is_uniform(self.tp_degrees)
 
     def fixed_kinds(self) -> list[dict[str, int] | None]:
         """The mixed kind each block of shapes holds (``None``: none, single-type kinds only).
@@ -362,6 +369,11 @@ class Space:
                     ):
                         out.append(dict(zip(subset, c)))
         return out
+
+
+def is_uniform(degrees: Mapping[str, int]) -> bool:
+    """One degree for every type, and no group across types (whose split is its own, by its members' speeds)."""
+    return len(set(degrees.values())) == 1 and not any(is_group(t) for t in degrees)
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -439,12 +451,15 @@ def dp_micro_cap(table: TypeTable, split: KindSplit, optimizer: str, state_shard
     recomputed holds its full activations for all m as well. ``state_shards``: ZeRO-1 (``static_matrix``).
     """
     last = split.bounds[-1]
-    static = float(static_matrix(np.array(table.params[last] - table.params[0]), optimizer, 2, state_shards))
-    if split.checkpointing[0]:
-        per_sample = (table.inputs[last] - table.inputs[0] + table.max_act[0, last]) * table.scale
-    else:
-        per_sample = (table.act[last] - table.act[0]) * table.scale
-    return max(1, int((table.cap_bytes - static) // per_sample)) if per_sample > 0 else 1 << 30
+    caps = []
+    for m in table.member_tables:  # a group across types: the micro-batch every member fits
+        static = float(static_matrix(np.array(m.params[last] - m.params[0]), optimizer, 2, state_shards))
+        if split.checkpointing[0]:
+            per_sample = (m.inputs[last] - m.inputs[0] + m.max_act[0, last]) * m.scale
+        else:
+            per_sample = (m.act[last] - m.act[0]) * m.scale
+        caps.append(max(1, int((m.cap_bytes - static) // per_sample)) if per_sample > 0 else 1 << 30)
+    return min(caps)
 
 
 def local_members(space: Space, stage_types: tuple[str, ...], replicas: int) -> tuple[int, ...]:
@@ -686,20 +701,19 @@ def build_space(
     counts = {
         t: devices[t] // d for t, d in tp_degrees.items() if devices[t] >= d and topology.node(t).gpus_per_node >= d
     }
-    if not counts or (len(set(tp_degrees.values())) > 1 and len(counts) < len(tp_degrees)):
+    if not counts or (not is_uniform(tp_degrees) and len(counts) < len(tp_degrees)):
         return None
+    groups = {m.name: m.gpu_types for m in topology.mixed}
+    kw = dict(
+        precision=precision,
+        efficiency=efficiency,
+        seconds_per_sample=seconds_per_sample,
+        dp_share=global_batch / sum(counts.values()),  # Space.dp_share
+    )
     tables = {
-        t: type_table(
-            t,
-            catalog,
-            layers,
-            precision=precision,
-            efficiency=efficiency,
-            seconds_per_sample=seconds_per_sample,
-            tp_degree=tp_degrees[t],
-            tp_link=topology.intra(t),
-            dp_share=global_batch / sum(counts.values()),  # Space.dp_share
-        )
+        t: group_table(t, groups[t], catalog, layers, tp_link=topology.intra(t), **kw)
+        if t in groups
+        else type_table(t, catalog, layers, tp_degree=tp_degrees[t], tp_link=topology.intra(t), **kw)
         for t in counts
     }
     topology = grouped_topology(topology, tp_degrees)
@@ -736,6 +750,7 @@ def grouped_topology(topology: Topology, degrees: Mapping[str, int]) -> Topology
             if n.gpus_per_node >= (d := degrees.get(t, 1))
         },
         inter_latency_s=topology.inter_latency_s,
+        mixed=topology.mixed,
     )
 
 
@@ -777,17 +792,18 @@ def plan(
     """
     if not tensor_parallel or any(d < 1 or d & (d - 1) for d in tensor_parallel):
         raise ValueError(f"tensor_parallel: degrees must be powers of two (got {list(tensor_parallel)})")
-    assignments = degree_assignments(sorted(set(rank_types)), searched_degrees(tensor_parallel, zero_stage))
+    spaces = searched_spaces(rank_types, topology, searched_degrees(tensor_parallel, zero_stage))
+    assignments = [degrees for *_, degrees in spaces]
     found = []
     reasons = []
     kth = math.inf  # the k-th best step found so far
-    for index, degrees in enumerate(assignments):
+    for index, (types, topo, degrees) in enumerate(spaces):
         space = build_space(
-            rank_types,
+            types,
             catalog,
             footprint,
             global_batch=global_batch,
-            topology=topology,
+            topology=topo,
             optimizer=optimizer,
             precision=precision,
             efficiency=efficiency,
@@ -839,6 +855,28 @@ def searched_degrees(tensor_parallel: Sequence[int], zero_stage: int) -> list[in
     return [1] if zero_stage else sorted(set(tensor_parallel))
 
 
+def searched_spaces(
+    rank_types: Sequence[str], topology: Topology, degrees: Sequence[int]
+) -> list[tuple[tuple[str, ...], Topology, dict[str, int]]]:
+    """Every space searched, as (worker types, topology, degree per type): each of ``degree_assignments`` on the
+    devices as they are; then, for each node kind of ``topology.mixed`` whose group size is at most the largest
+    degree, its devices grouped across types (one group per node), the group alone or beside one other type's
+    devices one by one. A group is a type of its own there (``MixedNodeKind.name``), of degree its size."""
+    types = tuple(rank_types)
+    out = [(types, topology, d) for d in degree_assignments(sorted(set(types)), degrees)]
+    have = Counter(types)
+    for m in topology.mixed:
+        need, size = Counter(m.gpu_types), len(m.gpu_types)
+        groups = min(m.nodes, *(have[t] // c for t, c in need.items()))
+        if groups < 1 or size > max(degrees):
+            continue
+        left = have - Counter({t: c * groups for t, c in need.items()})
+        grouped = tuple(left.elements()) + (m.name,) * (size * groups)
+        topo = replace(topology, nodes={**topology.nodes, m.name: m.node()})
+        out += [(grouped, topo, {m.name: size})] + [(grouped, topo, {m.name: size, t: 1}) for t in sorted(left)]
+    return out
+
+
 def degree_assignments(types: Sequence[str], degrees: Sequence[int]) -> list[dict[str, int]]:
     """The tensor-parallel degree of each type, one mapping per space searched: every degree for all
     ``types`` alike (in order), then every assignment of unequal degrees to each subset of two or more
@@ -853,7 +891,7 @@ def degree_assignments(types: Sequence[str], degrees: Sequence[int]) -> list[dic
 def degrees_name(degrees: Mapping[str, int]) -> str:
     """An assignment in words: ``degree 2`` when every type has it, else ``degree 2 on V100-16GB and 1 on
     A100-80GB`` (largest first, as ``Plan.tensor_parallel``)."""
-    if len(set(degrees.values())) == 1:
+    if is_uniform(degrees):
         return f"degree {next(iter(degrees.values()))}"
     return "degree " + " and ".join(f"{d} on {t}" for t, d in sorted(degrees.items(), key=lambda td: (-td[1], td[0])))
 
@@ -863,7 +901,7 @@ def tp_comparison(chosen: int, step: float, best: Mapping[int, float], tried: Se
     other uniform degree tried and the best plan of any other assignment of unequal degrees (``best``: the
     best step by index in ``tried``: every uniform degree's where one fits, unequal ones' among the top plans
     only, so that any other is no faster than ``step``)."""
-    uniform = [i for i, a in enumerate(tried) if len(set(a.values())) == 1]
+    uniform = [i for i, a in enumerate(tried) if is_uniform(a)]
     others = [
         f"{best[i] * 1e3:.4g} ms at {degrees_name(tried[i])}" if i in best else f"none fits at {degrees_name(tried[i])}"
         for i in uniform

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -104,6 +104,20 @@ class TypeTable:
     params: np.ndarray
     out: np.ndarray  # output bytes per sample after layer l, length L
     max_act: np.ndarray  # max_act[i, j]: largest layer activation in [i, j)
+    # A tensor-parallel group across GPU types (``group_table``): one table per member, each at its part of the
+    # split layers (``weights``, summing to 1). The fields above are then the slowest member's, whose time is
+    # the group's (the split is by speed) and a lower bound where a bound is wanted; memory is per member.
+    members: tuple[TypeTable, ...] = ()
+    weights: tuple[float, ...] = ()
+
+    @property
+    def member_tables(self) -> tuple[TypeTable, ...]:
+        """The tables memory is checked on: each member's of a group across types, else this one."""
+        return self.members or (self,)
+
+    def held_params(self, i: int, j: int) -> int:
+        """Parameters of layers [i, j) on the member holding most of them: what its gradient sum carries."""
+        return int(max(m.params[j] - m.params[i] for m in self.member_tables))
 
 
 def measured_seconds(seconds_per_sample: SecondsPerSample | None, gpu_type: str, precision: str) -> float | None:
@@ -125,9 +139,11 @@ def type_table(
     tp_degree: int = 1,
     tp_link: Link | None = None,
     dp_share: float = 1.0,
+    held: float | None = None,
 ) -> TypeTable:
     """Per-layer costs of ``layers`` on ``gpu_type``, as prefix sums: one device's, or one member's of a
-    tensor-parallel group of ``tp_degree`` devices of the type, whose all-reduces cross ``tp_link``."""
+    tensor-parallel group of ``tp_degree`` devices, whose all-reduces cross ``tp_link``, holding ``held`` of each
+    split layer (default an even share)."""
     spec = catalog.get(gpu_type)
     prec = choose_precision(spec, precision)
     total_flops = sum(c.flops_per_sample for c in layers)
@@ -142,7 +158,7 @@ def type_table(
                 tp_per_sample[k] = tp_allreduce_seconds(out, 1, tp_degree, tp_link, batches=0.0)
                 tp_per_micro[k] = tp_allreduce_seconds(0.0, 0, tp_degree, tp_link)
                 tp_per_share[k] = tp_allreduce_seconds(out, 1, tp_degree, tp_link, batches=1 / dp_share)
-        layers = tuple(c.shard(tp_degree) for c in layers)
+        layers = tuple(c.part(held or 1 / tp_degree) for c in layers)
     measured, per_sample_at, fixed_s = measured_seconds(seconds_per_sample, gpu_type, prec), None, 0.0
     if measured and callable(seconds_per_sample):
         per_sample_at = functools.partial(seconds_per_sample, gpu_type, prec)
@@ -176,6 +192,62 @@ def type_table(
     )
 
 
+def group_precision(specs, precision: str | Mapping[str, str]) -> str:
+    """The one precision a group across types computes in (its members' all-reduces add partial sums of one
+    dtype): the slowest member's choice (it paces the group) where every member runs it, else fp32."""
+    slowest = min(specs, key=lambda spec: spec.peak_flops(choose_precision(spec, precision)))
+    prec = choose_precision(slowest, precision)
+    return prec if all(spec.precision_problem(prec) is None for spec in specs) else "fp32"
+
+
+def group_table(
+    name: str,
+    gpu_types: tuple[str, ...],
+    catalog: Catalog,
+    layers: tuple[LayerCost, ...],
+    *,
+    precision: str | Mapping[str, str],
+    efficiency: float,
+    seconds_per_sample: SecondsPerSample | None,
+    tp_link: Link,
+    dp_share: float = 1.0,
+) -> TypeTable:
+    """One member's table per device of a tensor-parallel group across ``gpu_types`` (one each, on one node), the
+    split layers cut in proportion to each member's speed at the group's precision (Megatron's split, uneven),
+    so that every member computes its part in the same time and the slowest member's time is the group's."""
+    prec = group_precision([catalog.get(t) for t in gpu_types], precision)
+    alone = [
+        type_table(t, catalog, layers, precision=prec, efficiency=efficiency, seconds_per_sample=seconds_per_sample)
+        for t in gpu_types
+    ]
+    speeds = [1.0 / tb.seconds_per_flop for tb in alone]
+    weights = tuple(v / sum(speeds) for v in speeds)
+    members = tuple(
+        type_table(
+            t,
+            catalog,
+            layers,
+            precision=prec,
+            efficiency=efficiency,
+            seconds_per_sample=seconds_per_sample,
+            tp_degree=len(gpu_types),
+            tp_link=tp_link,
+            dp_share=dp_share,
+            held=w,
+        )
+        for t, w in zip(gpu_types, weights)
+    )
+    slowest = max(members, key=lambda tb: tb.seconds_per_flop)
+    return replace(
+        slowest,
+        gpu_type=name,
+        cap_bytes=sum(tb.cap_bytes for tb in members),
+        fixed_s=max(tb.fixed_s for tb in members),
+        members=members,
+        weights=weights,
+    )
+
+
 def static_matrix(params: np.ndarray, optimizer: str, world: int, state_shards: int = 1) -> np.ndarray:
     """``memory.static_bytes`` for every range's parameter count (vectorised), ``state_shards`` as there."""
     total = params * (WEIGHT_AND_GRAD_BYTES + ADAM_STATE_BYTES / state_shards)
@@ -197,21 +269,15 @@ class StageCost:
     shortfall: np.ndarray  # [i, j], bytes over the cap with checkpointing (<= 0 fits)
 
 
-@functools.lru_cache(maxsize=4096)
-def stage_work(
-    table: TypeTable, *, micro: int, flight: int, optimizer: str, world: int, staged: bool, state_shards: int = 1
-) -> StageCost:
-    """Compute, memory fit and checkpointing of layers [i, j) on ``table``'s type, messages aside.
-
-    ``staged``: one stage of several, priced at the measured speed of ``micro``-sample micro-batches where the
-    table has one (a one-stage kind is priced per sample, at the data-parallel rate). ``state_shards``: the
-    replicas Adam's state is sharded over (``static_matrix``)."""
+def _member_work(
+    table: TypeTable, *, micro: int, flight: int, optimizer: str, world: int, staged: bool, state_shards: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One device's (compute, tensor-parallel all-reduces, memory without and with checkpointing) of every
+    layer range [i, j)."""
     p = table.params[None, :] - table.params[:, None]
     static = static_matrix(p, optimizer, world, state_shards)
     act = (table.act[None, :] - table.act[:, None]) * table.scale * flight * micro
     kept = (table.inputs[None, :] - table.inputs[:, None]) * flight * micro + micro * table.max_act
-    mem_plain = static + act
-    mem_ckpt = static + kept * table.scale
     spf = table.seconds_per_flop
     flops = table.flops[None, :] - table.flops[:, None]
     fixed = 0.0
@@ -229,19 +295,52 @@ def stage_work(
         )
     else:
         tp = table.tp_per_share[None, :] - table.tp_per_share[:, None]
+    return compute, tp, static + act, static + kept * table.scale
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_work(
+    table: TypeTable, *, micro: int, flight: int, optimizer: str, world: int, staged: bool, state_shards: int = 1
+) -> StageCost:
+    """Compute, memory fit and checkpointing of layers [i, j) on ``table``'s type, messages aside.
+
+    ``staged``: one stage of several, priced at the measured speed of ``micro``-sample micro-batches where the
+    table has one (a one-stage kind is priced per sample, at the data-parallel rate). ``state_shards``: the
+    replicas Adam's state is sharded over (``static_matrix``). A group across types fits where every member
+    fits its own memory, checkpoints where any member must (the recomputed forward repeats the group's
+    all-reduces, so all members recompute), and takes its slowest member's time."""
     n = len(table.out)
     idx = np.arange(n + 1)
     valid = idx[None, :] > idx[:, None]
-    plain = valid & (mem_plain <= table.cap_bytes)
-    ckpt = valid & ~plain & (mem_ckpt <= table.cap_bytes)
-    compute = np.where(ckpt, compute * RECOMPUTE_FACTOR, compute) + np.where(
-        ckpt, tp * (TP_ALLREDUCES_CHECKPOINTED / TP_ALLREDUCES), tp
+    plain, ckpt_fits = valid, valid
+    works = []
+    for member in table.member_tables:
+        compute, tp, mem_plain, mem_ckpt = _member_work(
+            member,
+            micro=micro,
+            flight=flight,
+            optimizer=optimizer,
+            world=world,
+            staged=staged,
+            state_shards=state_shards,
+        )
+        plain = plain & (mem_plain <= member.cap_bytes)
+        ckpt_fits = ckpt_fits & (mem_ckpt <= member.cap_bytes)
+        works.append((compute, tp, mem_ckpt - member.cap_bytes))
+    ckpt = ~plain & ckpt_fits
+    compute = functools.reduce(
+        np.maximum,
+        (
+            np.where(ckpt, c * RECOMPUTE_FACTOR, c)
+            + np.where(ckpt, tp * (TP_ALLREDUCES_CHECKPOINTED / TP_ALLREDUCES), tp)
+            for c, tp, _ in works
+        ),
     )
     return StageCost(
         seconds=np.where(plain | ckpt, compute, np.inf),
         compute=compute,
         checkpointing=ckpt,
-        shortfall=np.where(valid, mem_ckpt - table.cap_bytes, np.inf),
+        shortfall=np.where(valid, functools.reduce(np.maximum, (short for *_, short in works)), np.inf),
     )
 
 
@@ -402,7 +501,7 @@ def split_kind(
         checkpointing=ckpt,
         stage_seconds=tuple(float(c.seconds[i, j]) for c, (i, j) in zip(costs, ranges)),
         compute_seconds=tuple(float(c.compute[i, j]) for c, (i, j) in zip(costs, ranges)),
-        stage_params=tuple(int(tables[t].params[j] - tables[t].params[i]) for t, (i, j) in zip(stage_types, ranges)),
+        stage_params=tuple(tables[t].held_params(i, j) for t, (i, j) in zip(stage_types, ranges)),
         max_micro_batches=cap,
     )
 
@@ -410,15 +509,18 @@ def split_kind(
 def gpipe_max_micro_batches(
     table: TypeTable, i: int, j: int, micro: int, optimizer: str, ckpt: bool, state_shards: int = 1
 ) -> int:
-    """How many micro-batches a GPipe stage holding [i, j) can keep in flight."""
-    static = float(static_matrix(np.array(table.params[j] - table.params[i]), optimizer, 2, state_shards))
-    if ckpt:
-        per = (table.inputs[j] - table.inputs[i]) * micro * table.scale
-        free = table.cap_bytes - static - micro * table.max_act[i, j] * table.scale
-    else:
-        per = (table.act[j] - table.act[i]) * micro * table.scale
-        free = table.cap_bytes - static
-    return int(free // per) if per > 0 else 1 << 30
+    """How many micro-batches a GPipe stage holding [i, j) can keep in flight (on every member of a group)."""
+    counts = []
+    for m in table.member_tables:
+        static = float(static_matrix(np.array(m.params[j] - m.params[i]), optimizer, 2, state_shards))
+        if ckpt:
+            per = (m.inputs[j] - m.inputs[i]) * micro * m.scale
+            free = m.cap_bytes - static - micro * m.max_act[i, j] * m.scale
+        else:
+            per = (m.act[j] - m.act[i]) * micro * m.scale
+            free = m.cap_bytes - static
+        counts.append(int(free // per) if per > 0 else 1 << 30)
+    return min(counts)
 
 
 def min_shortfall(

@@ -1,6 +1,8 @@
 """Where the planner's bandwidths come from: GPUs per node, links within and between nodes.
 
-Nodes hold one GPU type each (a Ray node type per GPU type, as in ``cluster.yaml``).
+Nodes hold one GPU type each (a Ray node type per GPU type, as in ``cluster.yaml``); a
+``Topology`` built in Python may also name nodes that mix types (``MixedNodeKind``),
+where the planner may split a layer across types.
 Within a node GPUs talk over the type's NVLink or PCIe (the catalog's
 ``interconnect_gbs``, halved: datasheets add both directions); between nodes over
 the nodes' NICs, the slower of two ends. ``cluster.yaml`` names each node type's NIC
@@ -26,6 +28,11 @@ NETWORK_LABEL = "hetero-ray/network-gbps"
 # NVLink/PCIe and ~10 µs or more over InfiniBand/Ethernet.
 INTRA_LATENCY_S = 5e-6
 INTER_LATENCY_S = 20e-6
+# Cards of two types in one node meet over PCIe (NVLink bridges join cards of one type): PCIe 3.0 x16, one
+# direction, the slot a V100 or T4 era card has.
+PCIE_BYTES_S = 16e9
+# Joins a group's types into its name (``MixedNodeKind.name``); no catalog name holds it.
+GROUP_SEPARATOR = "+"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,12 +48,43 @@ class NodeKind:
     intra_latency_s: float = INTRA_LATENCY_S
 
 
+@dataclass(frozen=True, kw_only=True)
+class MixedNodeKind:
+    """Nodes that each hold one GPU of each of several types (a workstation with an A100 and a V100): where a
+    tensor-parallel group may span types. Their cards talk over PCIe: NVLink joins cards of one type only."""
+
+    gpu_types: tuple[str, ...]
+    nodes: int
+    nic_bandwidth_bytes_s: float
+    intra_bandwidth_bytes_s: float = PCIE_BYTES_S
+    intra_latency_s: float = INTRA_LATENCY_S
+
+    @property
+    def name(self) -> str:
+        """The group's name in plans and explanations: its types joined by ``+``."""
+        return GROUP_SEPARATOR.join(self.gpu_types)
+
+    def node(self) -> NodeKind:
+        """The node as the planner sees a group of it: one member of each type."""
+        return NodeKind(
+            gpu_type=self.name,
+            gpus_per_node=len(self.gpu_types),
+            intra_bandwidth_bytes_s=self.intra_bandwidth_bytes_s,
+            nic_bandwidth_bytes_s=self.nic_bandwidth_bytes_s,
+            intra_latency_s=self.intra_latency_s,
+        )
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Topology:
-    """Node kinds by GPU type and the latency between nodes."""
+    """Node kinds by GPU type, the nodes that mix types, and the latency between nodes.
+
+    The devices of ``mixed`` nodes are also counted among their types' devices; ``nodes`` prices them when the
+    planner uses them one by one, the mixed node kind when it groups them across types."""
 
     nodes: Mapping[str, NodeKind]
     inter_latency_s: float = INTER_LATENCY_S
+    mixed: tuple[MixedNodeKind, ...] = ()
 
     def node(self, gpu_type: str) -> NodeKind:
         try:
@@ -169,3 +207,8 @@ def load_cluster(path: str | Path, catalog: Catalog) -> ClusterSpec:
     if not devices:
         raise ConfigError(f"{path}: no node type labelled '{GPU_TYPE_LABEL}' with max_workers > 0")
     return ClusterSpec(devices=devices, topology=Topology(nodes=kinds))
+
+
+def is_group(gpu_type: str) -> bool:
+    """Whether a planner's type name is a tensor-parallel group across types (``MixedNodeKind.name``)."""
+    return GROUP_SEPARATOR in gpu_type

@@ -25,7 +25,7 @@ from hetero_ray.plan.data_parallel import fastest_zero_stage, plan_data_parallel
 from hetero_ray.plan.plan import Infeasible, Plan, PlanError
 from hetero_ray.plan.plan_file import load_plan
 from hetero_ray.plan.stages import MeasuredSpeeds
-from hetero_ray.plan.topology import NodeKind, Topology
+from hetero_ray.plan.topology import MixedNodeKind, NodeKind, Topology
 from hetero_ray.train.precision import choose_precision
 from hetero_ray.train.sync import deepspeed_config
 from hetero_ray.workloads import build_workload
@@ -80,12 +80,24 @@ def reserved_types(cfg: RunConfig, plan: Plan) -> list[str]:
 def topology_for(cfg: RunConfig, catalog: Catalog, types: list[str]) -> Topology:
     """The links the planner prices: every link is ``cfg.link`` (the slowest link, which an emulated
     cluster pads every synchronisation to), or free when the config names none (nothing is priced
-    or emulated)."""
+    or emulated). The types of each of ``train.tensor_parallel_across`` also share nodes, one device of each
+    per node, as many nodes as the workers of ``types`` allow."""
     link = cfg.link
     bandwidth = link.bandwidth_bytes_s if link else math.inf
     latency = link.latency_s if link else 0.0
     per_node = cfg.emulation.gpus_per_node if cfg.emulation else max(cfg.devices.values())
+    mixed = tuple(
+        MixedNodeKind(
+            gpu_types=tuple(group),
+            nodes=min(types.count(t) for t in group),
+            intra_bandwidth_bytes_s=bandwidth,
+            nic_bandwidth_bytes_s=bandwidth,
+            intra_latency_s=latency,
+        )
+        for group in cfg.train.tensor_parallel_across
+    )
     return Topology(
+        mixed=tuple(m for m in mixed if m.nodes > 0),
         nodes={
             t: NodeKind(
                 gpu_type=t,
