@@ -8,18 +8,23 @@
   and Adam state each) fit no V100-16GB, on 2 × A100-80GB (a p4d node, NVLink) + 8 × V100-16GB (a
   p3.16xlarge, NVLink). Modelled: catalog speeds at the default efficiency, the block's costs measured
   on the meta device. Not a measurement of a run.
+- ``modelled_gain_across_types``: the same model's best step without groups across GPU types ÷ with them
+  (degrees 1-8 per type tried in both), on a named case where nodes mix types: 4 nodes, each an
+  A100-80GB beside a V100-16GB over PCIe 3.0 x16, 100 Gbit/s between nodes. Modelled, as above.
 - ``predicted_over_measured``: the planner's predicted step ÷ the step measured on throttled devices
   (``bench/plan_accuracy.py``'s cluster: 2 × A100-80GB + 2 × V100-16GB as CPU slices of 0.40 and 0.22
   of a core, a named 1 Gbit/s link, profiled first) for its best plan of tensor-parallel degree 2;
   ``predicted_over_measured_unequal`` the same for its best plan whose types have unequal degrees (stages
   of different degrees in one pipeline, on hetero-ray's own schedule); beside them its best plan without
-  tensor parallelism. Emulated, throttled: compute takes the time it takes; the members' all-reduces and
-  every other message are held to the named link.
+  tensor parallelism; ``predicted_over_measured_across_types`` the same for its best plan with a stage split
+  across an A100 and a V100 (``train.tensor_parallel_across``, the split by the profile's speeds). Emulated,
+  throttled: compute takes the time it takes; the members' all-reduces and every other message are held to
+  the named link.
 - ``speed_split_speedup``: on the same cluster, a layer split across GPU types: two replicas, each one
   tensor-parallel stage over an A100 and a V100 holding the whole model, its heads and MLP columns split
   in proportion to the two types' speeds as the profile measured them, against the same pairs split in
-  halves: the step measured with halves ÷ the step measured by speed. Both are plans made by hand (the
-  planner forms tensor-parallel groups of one type), so no prediction is compared.
+  halves: the step measured with halves ÷ the step measured by speed. Both are plans made by hand, so no
+  prediction is compared.
 
 Usage: python bench/tensor_split.py [--steps 16] [--no-measure] [--json-out docs/measurements/tensor-split.json]
 """
@@ -67,8 +72,33 @@ def tp_degrees(p) -> dict[str, int]:
     return {r.gpu_type: r.tp_degree for r in p.roles}
 
 
-# The plans measured: (name, degrees tried, whether the types' degrees must differ).
-MEASURED = (("degree 2", (2,), False), ("unequal degrees per type", (1, 2), True), ("degree 1", (1,), False))
+# The plans measured: (name, degrees tried, what the plan must hold: "" the best plan, "unequal" types of
+# different degrees, "across" a stage split across GPU types).
+MEASURED = (
+    ("degree 2", (2,), ""),
+    ("unequal degrees per type", (1, 2), "unequal"),
+    ("across types", (1, 2), "across"),
+    ("degree 1", (1,), ""),
+)
+ACROSS = [["A100-80GB", "V100-16GB"]]
+# The named case where nodes mix types: nodes of one A100-80GB and one V100-16GB, 100 Gbit/s between them.
+MIXED_NODES, MIXED_NIC_GBPS = 4, 100.0
+
+
+def split_across_types(p) -> bool:
+    """Whether some stage of plan ``p`` is a tensor-parallel group of more than one GPU type."""
+    groups: dict[tuple[int, int], set[str]] = {}
+    for r in p.roles:
+        if r.tp_weights:
+            groups.setdefault((r.pipeline, r.stage), set()).add(r.gpu_type)
+    return any(len(types) > 1 for types in groups.values())
+
+
+def holds(kind: str, p) -> bool:
+    """Whether plan ``p`` is of the kind a ``MEASURED`` entry asks for."""
+    if kind == "unequal":
+        return len(set(tp_degrees(p).values())) > 1
+    return split_across_types(p) if kind == "across" else True
 
 
 def modelled_gain() -> dict:
@@ -76,7 +106,7 @@ def modelled_gain() -> dict:
     from hetero_ray.cluster.catalog import load_catalog
     from hetero_ray.perf.footprint import measure_footprint
     from hetero_ray.plan.search import plan
-    from hetero_ray.plan.topology import NodeKind, Topology
+    from hetero_ray.plan.topology import MixedNodeKind, NodeKind, Topology
     from hetero_ray.workloads import build_workload
 
     catalog = load_catalog()
@@ -108,6 +138,29 @@ def modelled_gain() -> dict:
         }
 
     block = footprint.layers[1]
+    node = {
+        t: replace(topology.nodes[t], gpus_per_node=1, nic_bandwidth_bytes_s=MIXED_NIC_GBPS * 1e9 / 8) for t in NODES
+    }
+    apart = Topology(nodes=node)
+    mixed = replace(
+        apart,
+        mixed=(
+            MixedNodeKind(gpu_types=tuple(DEVICES), nodes=MIXED_NODES, nic_bandwidth_bytes_s=MIXED_NIC_GBPS * 1e9 / 8),
+        ),
+    )
+    pairs = [t for t in DEVICES for _ in range(MIXED_NODES)]
+    kw["tensor_parallel"] = (1, 2, 4, 8)
+    one_type = plan(pairs, catalog, footprint, **(kw | {"topology": apart}))[0]
+    across = plan(pairs, catalog, footprint, **(kw | {"topology": mixed}))[0]
+    across_types = {
+        "case": f"the same GPT on {MIXED_NODES} nodes, each an A100-80GB beside a V100-16GB over PCIe 3.0 x16 "
+        f"(16 GB/s), {MIXED_NIC_GBPS:g} Gbit/s between nodes, global batch {GLOBAL_BATCH}; tensor-parallel degrees "
+        "1-8 per type tried in both",
+        "kind": "modelled (catalog speeds, efficiency 0.4; costs measured on the meta device)",
+        "without": summary(one_type),
+        "with": summary(across),
+        "gain": one_type.predicted_step_s / across.predicted_step_s,
+    }
     return {
         "case": "GPT 8 × 10240 (80 heads, 2048 tokens) on 2 × A100-80GB (p4d, NVLink) + 8 × V100-16GB "
         "(p3.16xlarge, NVLink), global batch 64; one block holds 1.26 G parameters, whose 20 GB of "
@@ -118,6 +171,7 @@ def modelled_gain() -> dict:
         "without": summary(without),
         "with": summary(best),
         "gain": without.predicted_step_s / best.predicted_step_s,
+        "across_types": across_types,
     }
 
 
@@ -151,22 +205,25 @@ def measured(steps: int) -> dict:
                 "roles": [pa.role_record(r) | {"tp_rank": r.tp_rank, "tp_weights": r.tp_weights} for r in p.roles],
             }
 
-        for name, degrees, unequal in MEASURED:
+        # The config's route to groups across types; the plans run under ``cfg`` itself, which only executes them.
+        train_across = cfg.train.model_copy(update={"tensor_parallel_across": ACROSS, "max_tensor_parallel": 2})
+        across_cfg = cfg.model_copy(update={"train": train_across})
+        for name, degrees, kind in MEASURED:
             plans = plan(
                 types,
                 prepared.catalog,
                 prepared.footprint,
                 global_batch=cfg.train.global_batch,
-                topology=topology_for(cfg, prepared.catalog, types),
+                topology=topology_for(across_cfg if kind == "across" else cfg, prepared.catalog, types),
                 precision=cfg.train.precision,
                 efficiency=prepared.efficiency,
                 emulated=True,
                 seconds_per_sample=speeds,
                 tensor_parallel=degrees,
-                # The best plan of unequal degrees is among the top ones, after those of degree 1.
-                top_k=100 if unequal else 1,
+                # The best plan of unequal degrees (or across types) is among the top ones, after those of degree 1.
+                top_k=100 if kind else 1,
             )
-            best = next(p for p in plans if len(set(tp_degrees(p).values())) > 1 or not unequal)
+            best = next(p for p in plans if holds(kind, p))
             if name == "degree 2":
                 degree_two = best
             record = run(name, best)
@@ -243,7 +300,8 @@ def main() -> int:
         "split_max_abs": max(s["max_abs"] for s in splits.values()),
         "splits": splits,
         "split_kind": "real: gloo ranks on this CPU, fp32",
-        "modelled_gain": modelled_gain(),
+        "modelled_gain": (gain := modelled_gain()),
+        "modelled_gain_across_types": gain["across_types"]["gain"],
     }
     if not args.no_measure:
         runs = measured(args.steps)
@@ -251,6 +309,7 @@ def main() -> int:
         result |= {
             "predicted_over_measured": ratio["degree 2"],
             "predicted_over_measured_unequal": ratio["unequal degrees per type"],
+            "predicted_over_measured_across_types": ratio["across types"],
             "speed_split_speedup": runs["across_types"][1]["measured_step_s"]
             / runs["across_types"][0]["measured_step_s"],
             "speed_split_weights": runs["across_types"][0]["roles"][0]["tp_weights"],
