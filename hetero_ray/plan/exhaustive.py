@@ -182,7 +182,8 @@ def exhaustive_best_step(
     the degrees of ``tensor_parallel`` to the types tried as the search does (at ``zero_stage`` 1, degree 1
     only)."""
     best = math.inf
-    for types, topo, degrees in searched_spaces(rank_types, topology, searched_degrees(tensor_parallel, zero_stage)):
+    spaces = searched_spaces(rank_types, topology, searched_degrees(tensor_parallel, zero_stage), max_stages)
+    for types, topo, degrees in spaces:
         space = build_space(
             types,
             catalog,

@@ -11,6 +11,7 @@ from hetero_ray.plan.memory import in_flight, stage_memory_bytes
 from hetero_ray.plan.plan import Exclusion, Plan, WorkerRole
 from hetero_ray.plan.search import Allocation, Group, Shape, Space
 from hetero_ray.plan.stages import TypeTable
+from hetero_ray.plan.topology import group_members, is_group
 
 GiB = 2**30
 
@@ -77,16 +78,21 @@ def _role(
     )
 
 
+def _across(space: Space, gpu_type: str) -> bool:
+    """Whether the space's type ``gpu_type`` is a tensor-parallel group of more than one GPU type."""
+    return len({m.gpu_type for m in space.tables[gpu_type].members}) > 1
+
+
 def _devices(space: Space, n: int, gpu_type: str) -> str:
     """``n`` workers of a type: devices, or tensor-parallel groups of them, or groups across types."""
     d = space.tp_degrees[gpu_type]
     table = space.tables[gpu_type]
-    if table.members:
+    if _across(space, gpu_type):
         split = " : ".join(f"{w:.2f}" for w in table.weights)
         return f"{n} × ({' + '.join(m.gpu_type for m in table.members)} tensor parallel, split {split} by speed)"
     if d == 1:
         return f"{n} × {gpu_type}"
-    return f"{n} × ({d} × {gpu_type} tensor parallel)"
+    return f"{n} × ({d} × {table.members[0].gpu_type if table.members else gpu_type} tensor parallel)"
 
 
 def exclusion(
@@ -125,15 +131,21 @@ def build_plan(space: Space, shape: Shape, alloc: Allocation, *, emulated: bool,
             roles += stage_roles
             offset += stage_roles[0].local_batch
             p += 1
-    used = Counter()  # devices by the space's types (a group across types counts as its own)
+    used = Counter()  # devices by the space's types (a group planned as a type counts as its own)
     for g in shape.groups:
         for t in g.split.stage_types:
             used[t] += g.replicas * space.tp_degrees[t]
-    excluded = tuple(
-        exclusion(t, n - used[t], shape, fits_alone, space.tp_degrees.get(t, 1), one_kind=not space.uniform)
-        for t, n in sorted(space.devices.items(), key=lambda tn: (tn[0] not in used, tn[0]))
-        if n > used[t]
-    )
+    # Devices left out, by GPU type: a group's unused devices are its members' types', with the first reason.
+    left_out: dict[str, Exclusion] = {}
+    for t, n in sorted(space.devices.items(), key=lambda tn: (tn[0] not in used, tn[0])):
+        if n > used[t]:
+            why = exclusion(t, n - used[t], shape, fits_alone, space.tp_degrees.get(t, 1), one_kind=not space.uniform)
+            members = group_members(t) if is_group(t) else (t,)
+            for member in members:
+                count = (n - used[t]) // len(members)
+                prior = left_out.get(member)
+                left_out[member] = replace(prior or why, gpu_type=member, count=count + (prior.count if prior else 0))
+    excluded = tuple(left_out.values())
     plan = Plan(
         global_batch=space.global_batch,
         # The batch is split by modelled speed, as the data-parallel planner's proportional split.
@@ -226,12 +238,20 @@ def _tp_clause(space: Space, shape: Shape) -> str:
         return f"tensor parallel: each stage is {d} devices of one type on one node {how}"
     grouping = {1: "alone", 2: "as tensor-parallel pairs"}
     degrees = {t: space.tp_degrees[t] for g in shape.groups for t in g.split.stage_types}
-    per_type = ", ".join(
-        f"{t} stages split across its types by speed ({' : '.join(f'{w:.2f}' for w in space.tables[t].weights)})"
-        if space.tables[t].members
-        else f"{t} stages {grouping.get(d, f'as tensor-parallel groups of {d}')}"
-        for t, d in degrees.items()
-    )
+    # A group of one type's devices beside that type's single devices: some of its stages split, others not.
+    split_too = {
+        space.tables[t].members[0].gpu_type for t in degrees if space.tables[t].members and not _across(space, t)
+    }
+
+    def words(t: str, d: int) -> str:
+        table = space.tables[t]
+        if _across(space, t):
+            return f"{t} stages split across its types by speed ({' : '.join(f'{w:.2f}' for w in table.weights)})"
+        if table.members:
+            return f"some {table.members[0].gpu_type} stages {grouping.get(d, f'as tensor-parallel groups of {d}')}"
+        return f"{'the other ' * (t in split_too)}{t} stages {grouping.get(d, f'as tensor-parallel groups of {d}')}"
+
+    per_type = ", ".join(words(t, d) for t, d in degrees.items())
     return (
         f"tensor parallel per type: {per_type}, each group on one node {how}; the pipelines are all one kind, "
         "as every pipeline holding a layer must split it alike"

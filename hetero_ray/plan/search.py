@@ -88,7 +88,7 @@ from hetero_ray.plan.stages import (
     type_table,
     workload_layers,
 )
-from hetero_ray.plan.topology import Topology, is_group
+from hetero_ray.plan.topology import NodeKind, Topology, group_members, group_name, is_group
 from hetero_ray.suggest import did_you_mean
 
 GiB = 2**30
@@ -703,7 +703,6 @@ def build_space(
     }
     if not counts or (not is_uniform(tp_degrees) and len(counts) < len(tp_degrees)):
         return None
-    groups = {m.name: m.gpu_types for m in topology.mixed}
     kw = dict(
         precision=precision,
         efficiency=efficiency,
@@ -711,8 +710,8 @@ def build_space(
         dp_share=global_batch / sum(counts.values()),  # Space.dp_share
     )
     tables = {
-        t: group_table(t, groups[t], catalog, layers, tp_link=topology.intra(t), **kw)
-        if t in groups
+        t: group_table(t, group_members(t), catalog, layers, tp_link=topology.intra(t), **kw)
+        if is_group(t)
         else type_table(t, catalog, layers, tp_degree=tp_degrees[t], tp_link=topology.intra(t), **kw)
         for t in counts
     }
@@ -792,7 +791,7 @@ def plan(
     """
     if not tensor_parallel or any(d < 1 or d & (d - 1) for d in tensor_parallel):
         raise ValueError(f"tensor_parallel: degrees must be powers of two (got {list(tensor_parallel)})")
-    spaces = searched_spaces(rank_types, topology, searched_degrees(tensor_parallel, zero_stage))
+    spaces = searched_spaces(rank_types, topology, searched_degrees(tensor_parallel, zero_stage), max_stages)
     assignments = [degrees for *_, degrees in spaces]
     found = []
     reasons = []
@@ -856,24 +855,48 @@ def searched_degrees(tensor_parallel: Sequence[int], zero_stage: int) -> list[in
 
 
 def searched_spaces(
-    rank_types: Sequence[str], topology: Topology, degrees: Sequence[int]
+    rank_types: Sequence[str], topology: Topology, degrees: Sequence[int], max_stages: int = 8
 ) -> list[tuple[tuple[str, ...], Topology, dict[str, int]]]:
-    """Every space searched, as (worker types, topology, degree per type): each of ``degree_assignments`` on the
-    devices as they are; then, for each node kind of ``topology.mixed`` whose group size is at most the largest
-    degree, its devices grouped across types (one group per node), the group alone or beside one other type's
-    devices one by one. A group is a type of its own there (``MixedNodeKind.name``), of degree its size."""
+    """Every space searched, as (worker types, topology, degree per type). A tensor-parallel group that is not
+    all of its type's devices at one degree is a type of its own there (``group_name``, of degree its size),
+    planned as one kind replicated alone (``Space.fixed_kinds``):
+    - each of ``degree_assignments`` on the devices as they are;
+    - per node kind of ``topology.mixed`` whose size is at most the largest degree: its devices grouped across
+      types, one group per node, alone or beside one other type's devices one by one (where 1 is a degree);
+    - where 1 is a degree, per type and degree d > 1 its nodes hold: groups of d of its devices beside its
+      single devices, so that
+      one pipeline's stages of one type may differ in degree; as many groups as the kind of a stages in
+      groups and b alone (powers of two, a + b <= ``max_stages``) replicates most often, the rest alone."""
     types = tuple(rank_types)
     out = [(types, topology, d) for d in degree_assignments(sorted(set(types)), degrees)]
     have = Counter(types)
+
+    def grouped(groups: int, members: Sequence[str], node: NodeKind) -> tuple[tuple[str, ...], Topology, str]:
+        name = group_name(members)
+        left = have - Counter({t: c * groups for t, c in Counter(members).items()})
+        topo = replace(topology, nodes={**topology.nodes, name: replace(node, gpu_type=name)})
+        return tuple(left.elements()) + (name,) * (len(members) * groups), topo, name
+
     for m in topology.mixed:
-        need, size = Counter(m.gpu_types), len(m.gpu_types)
-        groups = min(m.nodes, *(have[t] // c for t, c in need.items()))
+        size = len(m.gpu_types)
+        groups = min(m.nodes, *(have[t] // c for t, c in Counter(m.gpu_types).items()))
         if groups < 1 or size > max(degrees):
             continue
-        left = have - Counter({t: c * groups for t, c in need.items()})
-        grouped = tuple(left.elements()) + (m.name,) * (size * groups)
-        topo = replace(topology, nodes={**topology.nodes, m.name: m.node()})
-        out += [(grouped, topo, {m.name: size})] + [(grouped, topo, {m.name: size, t: 1}) for t in sorted(left)]
+        spaced, topo, name = grouped(groups, m.gpu_types, m.node())
+        others = sorted(set(spaced) - {name}) if 1 in degrees else []
+        out += [(spaced, topo, {name: size})] + [(spaced, topo, {name: size, t: 1}) for t in others]
+    stages = powers_of_two(max_stages)
+    for t in sorted(have) if 1 in degrees else ():
+        node = topology.node(t)
+        for d in degrees:
+            if d == 1 or node.gpus_per_node < d:
+                continue
+            # A node of g GPUs holds g // d groups: their node kind, as the grouped topology divides it.
+            group_node = replace(node, gpus_per_node=node.gpus_per_node // d * d)
+            counts = {a * (have[t] // (a * d + b)) for a in stages for b in stages if a + b <= max_stages}
+            for groups in sorted(c for c in counts if 0 < c * d < have[t]):
+                spaced, topo, name = grouped(groups, (t,) * d, group_node)
+                out.append((spaced, topo, {name: d, t: 1}))
     return out
 
 
@@ -890,10 +913,17 @@ def degree_assignments(types: Sequence[str], degrees: Sequence[int]) -> list[dic
 
 def degrees_name(degrees: Mapping[str, int]) -> str:
     """An assignment in words: ``degree 2`` when every type has it, else ``degree 2 on V100-16GB and 1 on
-    A100-80GB`` (largest first, as ``Plan.tensor_parallel``)."""
+    A100-80GB`` (largest first, as ``Plan.tensor_parallel``); a group of one type's devices planned beside
+    its single ones reads ``2 on groups of 2 × A100-80GB``."""
     if is_uniform(degrees):
         return f"degree {next(iter(degrees.values()))}"
-    return "degree " + " and ".join(f"{d} on {t}" for t, d in sorted(degrees.items(), key=lambda td: (-td[1], td[0])))
+
+    def label(t: str) -> str:
+        members = group_members(t)
+        return f"groups of {len(members)} × {members[0]}" if len(set(members)) == 1 < len(members) else t
+
+    ordered = sorted(degrees.items(), key=lambda td: (-td[1], td[0]))
+    return "degree " + " and ".join(f"{d} on {label(t)}" for t, d in ordered)
 
 
 def tp_comparison(chosen: int, step: float, best: Mapping[int, float], tried: Sequence[Mapping[str, int]]) -> str:

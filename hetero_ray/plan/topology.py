@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +62,7 @@ class MixedNodeKind:
     @property
     def name(self) -> str:
         """The group's name in plans and explanations: its types joined by ``+``."""
-        return GROUP_SEPARATOR.join(self.gpu_types)
+        return group_name(self.gpu_types)
 
     def node(self) -> NodeKind:
         """The node as the planner sees a group of it: one member of each type."""
@@ -210,5 +210,16 @@ def load_cluster(path: str | Path, catalog: Catalog) -> ClusterSpec:
 
 
 def is_group(gpu_type: str) -> bool:
-    """Whether a planner's type name is a tensor-parallel group across types (``MixedNodeKind.name``)."""
+    """Whether a planner's type name is a tensor-parallel group planned as a type of its own: of several types
+    (``MixedNodeKind.name``), or of devices of one type beside that type's single devices."""
     return GROUP_SEPARATOR in gpu_type
+
+
+def group_name(gpu_types: Sequence[str]) -> str:
+    """The name of a group of one device of each of ``gpu_types`` (a type may repeat)."""
+    return GROUP_SEPARATOR.join(gpu_types)
+
+
+def group_members(name: str) -> tuple[str, ...]:
+    """The GPU type of each member of the group ``name`` (``group_name``'s inverse)."""
+    return tuple(name.split(GROUP_SEPARATOR))
