@@ -1,8 +1,9 @@
 """Every plan of the search's space, for checking the search on small instances. Not used to plan.
 
 It shares with the search only the space's definition (the tensor-parallel degree
-assignments, stage counts, mixed compositions, one kind alone at unequal degrees,
-node placement of stages, at ZeRO-1 no shape of one-stage kinds only) and the
+assignments and groups planned as types with their precision and split, stage counts,
+mixed compositions, one kind alone at unequal degrees, node placement of stages, at
+ZeRO-1 no shape of one-stage kinds only) and the
 objective (``allocate`` plus ``shape_comm``: the gradient all-reduce, then ZeRO-1's
 all-gather). Stage times and memory (at ZeRO-1 with each stage's Adam
 state split over its kind's replicas) are recomputed here from the
@@ -47,7 +48,6 @@ def kind_options(
     layers,
     catalog: Catalog,
     efficiency: float,
-    precision: str,
     replicas: int = 1,
 ):
     """Every feasible (micro-batch, split, checkpointing) of one kind replicated ``replicas`` times, dominated
@@ -201,11 +201,11 @@ def exhaustive_best_step(
             zero_stage=zero_stage,
         )
         if space is not None:
-            best = min(best, best_step_in(space, footprint, catalog, efficiency, precision))
+            best = min(best, best_step_in(space, footprint, catalog, efficiency))
     return best
 
 
-def best_step_in(space: Space, footprint: Footprint, catalog: Catalog, efficiency: float, precision: str) -> float:
+def best_step_in(space: Space, footprint: Footprint, catalog: Catalog, efficiency: float) -> float:
     """The shortest predicted step over every plan of one space (one tensor-parallel degree per type)."""
     whole = workload_layers(footprint)
     layers = {
@@ -223,7 +223,7 @@ def best_step_in(space: Space, footprint: Footprint, catalog: Catalog, efficienc
     def options(types, replicas):
         key = (types, space.state_shards(replicas))
         if key not in cache:
-            cache[key] = kind_options(space, types, layers, catalog, efficiency, precision, replicas)
+            cache[key] = kind_options(space, types, layers, catalog, efficiency, replicas)
         return cache[key]
 
     best = math.inf

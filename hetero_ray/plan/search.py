@@ -34,7 +34,10 @@ same one): devices of one type are interchangeable, so a plan is a *shape* —
    of a node's types is a type of its own, its GPT blocks split in proportion to the
    members' speeds (``stages.group_table``): a stage of it fits where every member
    fits its own memory and takes its slowest member's time. Its spaces are the group
-   alone or beside one other type, one kind replicated alone as at unequal degrees.
+   alone or beside one other type, one kind replicated alone as at unequal degrees;
+ - so that stages of one type may differ in degree, a group of d of a type's devices
+   is also a type of its own beside that type's single devices (one space per count
+   of groups that a kind replicates best), again one kind replicated alone.
 Step = slowest pipeline's (M-1)·max_stage + Σ stages (stage times include their
 stage-to-stage messages) + the gradient all-reduce (hierarchical, or 1-bit compressed)
 + at ZeRO-1, the all-gather of the updated fp32 parameters among each kind's replicas.
@@ -334,7 +337,7 @@ class Space:
 
     @property
     def uniform(self) -> bool:
-        """Whether every type planned has one tensor-parallel degree and none is a group across types (kinds
+        """Whether every type planned has one tensor-parallel degree and none is a group planned as a type (kinds
         then mix freely)."""
         return is_uniform(self.tp_degrees)
 
@@ -372,7 +375,7 @@ class Space:
 
 
 def is_uniform(degrees: Mapping[str, int]) -> bool:
-    """One degree for every type, and no group across types (whose split is its own, by its members' speeds)."""
+    """One degree for every type, and no group planned as a type (``searched_spaces``: its split is its own)."""
     return len(set(degrees.values())) == 1 and not any(is_group(t) for t in degrees)
 
 
@@ -452,7 +455,7 @@ def dp_micro_cap(table: TypeTable, split: KindSplit, optimizer: str, state_shard
     """
     last = split.bounds[-1]
     caps = []
-    for m in table.member_tables:  # a group across types: the micro-batch every member fits
+    for m in table.member_tables:  # a group: the micro-batch every member fits
         static = float(static_matrix(np.array(m.params[last] - m.params[0]), optimizer, 2, state_shards))
         if split.checkpointing[0]:
             per_sample = (m.inputs[last] - m.inputs[0] + m.max_act[0, last]) * m.scale
@@ -864,9 +867,9 @@ def searched_spaces(
     - per node kind of ``topology.mixed`` whose size is at most the largest degree: its devices grouped across
       types, one group per node, alone or beside one other type's devices one by one (where 1 is a degree);
     - where 1 is a degree, per type and degree d > 1 its nodes hold: groups of d of its devices beside its
-      single devices, so that
-      one pipeline's stages of one type may differ in degree; as many groups as the kind of a stages in
-      groups and b alone (powers of two, a + b <= ``max_stages``) replicates most often, the rest alone."""
+      single devices, so that one pipeline's stages of one type may differ in degree; as many groups as the
+      kind of a stages in groups and b alone (powers of two, a + b <= ``max_stages``) replicates most often,
+      the rest alone."""
     types = tuple(rank_types)
     out = [(types, topology, d) for d in degree_assignments(sorted(set(types)), degrees)]
     have = Counter(types)

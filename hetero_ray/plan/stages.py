@@ -104,15 +104,16 @@ class TypeTable:
     params: np.ndarray
     out: np.ndarray  # output bytes per sample after layer l, length L
     max_act: np.ndarray  # max_act[i, j]: largest layer activation in [i, j)
-    # A tensor-parallel group across GPU types (``group_table``): one table per member, each at its part of the
-    # split layers (``weights``, summing to 1). The fields above are then the slowest member's, whose time is
-    # the group's (the split is by speed) and a lower bound where a bound is wanted; memory is per member.
+    # A tensor-parallel group planned as a type of its own (``group_table``: across GPU types, or some of one
+    # type's devices): one table per member, each at its part of the split layers (``weights``, summing to 1).
+    # The fields above are then the slowest member's, whose time is the group's (the split is by speed) and a
+    # lower bound where a bound is wanted; memory is per member.
     members: tuple[TypeTable, ...] = ()
     weights: tuple[float, ...] = ()
 
     @property
     def member_tables(self) -> tuple[TypeTable, ...]:
-        """The tables memory is checked on: each member's of a group across types, else this one."""
+        """The tables memory is checked on: each member's of a group, else this one."""
         return self.members or (self,)
 
     def held_params(self, i: int, j: int) -> int:
@@ -193,7 +194,7 @@ def type_table(
 
 
 def group_precision(specs, precision: str | Mapping[str, str]) -> str:
-    """The one precision a group across types computes in (its members' all-reduces add partial sums of one
+    """The one precision a tensor-parallel group computes in (its members' all-reduces add partial sums of one
     dtype): the slowest member's choice (it paces the group) where every member runs it, else fp32."""
     slowest = min(specs, key=lambda spec: spec.peak_flops(choose_precision(spec, precision)))
     prec = choose_precision(slowest, precision)
@@ -212,9 +213,10 @@ def group_table(
     tp_link: Link,
     dp_share: float = 1.0,
 ) -> TypeTable:
-    """One member's table per device of a tensor-parallel group across ``gpu_types`` (one each, on one node), the
-    split layers cut in proportion to each member's speed at the group's precision (Megatron's split, uneven),
-    so that every member computes its part in the same time and the slowest member's time is the group's."""
+    """One member's table per device of a tensor-parallel group of one device of each of ``gpu_types`` (a type
+    may repeat) on one node, the split layers cut in proportion to each member's speed at the group's precision
+    (Megatron's split, uneven across types), so that every member computes its part in the same time and the
+    slowest member's time is the group's."""
     prec = group_precision([catalog.get(t) for t in gpu_types], precision)
     alone = [
         type_table(t, catalog, layers, precision=prec, efficiency=efficiency, seconds_per_sample=seconds_per_sample)
