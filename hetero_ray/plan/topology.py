@@ -31,7 +31,8 @@ INTER_LATENCY_S = 20e-6
 # Cards of two types in one node meet over PCIe (NVLink bridges join cards of one type): PCIe 3.0 x16, one
 # direction, the slot a V100 or T4 era card has.
 PCIE_BYTES_S = 16e9
-# Joins a group's types into its name (``MixedNodeKind.name``); no catalog name holds it.
+# Joins a group's types into its name (``MixedNodeKind.name``). A GPU type's name is a Ray node label's value,
+# whose syntax (Kubernetes') has no "+", so no type's own name holds it.
 GROUP_SEPARATOR = "+"
 
 
