@@ -12,7 +12,7 @@ from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.perf.footprint import Footprint, LayerCost, measure_footprint
 from hetero_ray.plan.data_parallel import plan_data_parallel
 from hetero_ray.plan.exhaustive import exhaustive_best_step
-from hetero_ray.plan.instances import random_instance, with_mixed_nodes, with_split
+from hetero_ray.plan.instances import footprint_of, random_instance, with_mixed_nodes, with_split
 from hetero_ray.plan.plan import Infeasible, Plan
 from hetero_ray.plan.plan_file import parse_plan
 from hetero_ray.plan.report import describe
@@ -33,18 +33,10 @@ def catalog():
 
 
 def layered(n: int, params: int, flops: float, act: float, out: float) -> Footprint:
-    layers = tuple(
-        LayerCost(params=params, flops_per_sample=flops, activation_bytes_per_sample=act, output_bytes_per_sample=out)
-        for _ in range(n)
+    layer = LayerCost(
+        params=params, flops_per_sample=flops, activation_bytes_per_sample=act, output_bytes_per_sample=out
     )
-    return Footprint(
-        param_count=n * params,
-        dataset_samples=10**6,
-        flops_per_sample=n * flops,
-        activation_bytes_per_sample=n * act,
-        param_numels=(params,) * n,
-        layers=layers,
-    )
+    return footprint_of((layer,) * n)
 
 
 def check_invariants(p: Plan, rank_types: list[str], n_layers: int) -> None:
@@ -299,15 +291,7 @@ def test_stages_of_one_type_get_a_degree_each(catalog):
         )
         for n in (5_500_000_000, 10**9)
     )
-    layers = (huge, small, small, small)
-    fp = Footprint(
-        param_count=sum(c.params for c in layers),
-        dataset_samples=10**6,
-        flops_per_sample=sum(c.flops_per_sample for c in layers),
-        activation_bytes_per_sample=sum(c.activation_bytes_per_sample for c in layers),
-        param_numels=tuple(c.params for c in layers),
-        layers=layers,
-    )
+    fp = footprint_of((huge, small, small, small))
     ranks = [A100] * 3
     kw = dict(global_batch=32, topology=per_type_topology(catalog, {A100: 4}), max_stages=4, micro_batches=(1, 2))
     assert isinstance(plan(ranks, catalog, fp, tensor_parallel=(1,), **kw), Infeasible)

@@ -51,6 +51,18 @@ def with_split(layer: LayerCost) -> LayerCost:
     )
 
 
+def footprint_of(layers: tuple[LayerCost, ...]) -> Footprint:
+    """A footprint made of ``layers`` (one parameter tensor each, a million samples)."""
+    return Footprint(
+        param_count=sum(c.params for c in layers),
+        dataset_samples=10**6,
+        flops_per_sample=sum(c.flops_per_sample for c in layers),
+        activation_bytes_per_sample=sum(c.activation_bytes_per_sample for c in layers),
+        param_numels=tuple(c.params for c in layers),
+        layers=layers,
+    )
+
+
 def random_instance(seed: int, catalog: Catalog) -> Instance:
     """2-3 types, 1-4 devices each, 4-7 layers of 0.1-0.7 G parameters (so memory binds on small cards)."""
     rng = random.Random(seed)
@@ -67,14 +79,7 @@ def random_instance(seed: int, catalog: Catalog) -> Instance:
         )
         for _ in range(rng.randint(4, 7))
     )
-    footprint = Footprint(
-        param_count=sum(c.params for c in layers),
-        dataset_samples=10**6,
-        flops_per_sample=sum(c.flops_per_sample for c in layers),
-        activation_bytes_per_sample=sum(c.activation_bytes_per_sample for c in layers),
-        param_numels=tuple(c.params for c in layers),
-        layers=layers,
-    )
+    footprint = footprint_of(layers)
     gpn, gbps = rng.choice((1, 2, 4)), rng.choice((1.0, 10.0, 100.0))
     return Instance(
         seed=seed,
