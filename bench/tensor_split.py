@@ -85,20 +85,11 @@ ACROSS = [["A100-80GB", "V100-16GB"]]
 MIXED_NODES, MIXED_NIC_GBPS = 4, 100.0
 
 
-def split_across_types(p) -> bool:
-    """Whether some stage of plan ``p`` is a tensor-parallel group of more than one GPU type."""
-    groups: dict[tuple[int, int], set[str]] = {}
-    for r in p.roles:
-        if r.tp_weights:
-            groups.setdefault((r.pipeline, r.stage), set()).add(r.gpu_type)
-    return any(len(types) > 1 for types in groups.values())
-
-
 def holds(kind: str, p) -> bool:
     """Whether plan ``p`` is of the kind a ``MEASURED`` entry asks for."""
     if kind == "unequal":
         return len(set(tp_degrees(p).values())) > 1
-    return split_across_types(p) if kind == "across" else True
+    return p.splits_across_types if kind == "across" else True
 
 
 def modelled_gain() -> dict:

@@ -236,15 +236,6 @@ def test_enumerator_walks_each_types_degree_as_the_search(catalog):
     assert best.predicted_step_s == pytest.approx(optimum, rel=1e-9)
 
 
-def split_across_types(p: Plan) -> bool:
-    """Whether some stage of ``p`` is a tensor-parallel group of more than one GPU type."""
-    groups: dict[tuple[int, int], set[str]] = {}
-    for r in p.roles:
-        if r.tp_weights:
-            groups.setdefault((r.pipeline, r.stage), set()).add(r.gpu_type)
-    return any(len(types) > 1 for types in groups.values())
-
-
 def test_a_layer_split_across_types_lets_a_card_too_small_for_it_join(catalog):
     """Two nodes, each an A100-80GB beside a V100-16GB. No V100 holds a block of 2^30 parameters, and no node
     holds two V100s, so without splitting across types the V100s sit out. Split by speed over each node's
@@ -259,7 +250,7 @@ def test_a_layer_split_across_types_lets_a_card_too_small_for_it_join(catalog):
     assert {e.gpu_type: e.count for e in without.excluded} == {V100: 2}
     best = plan(ranks, catalog, fp, topology=mixed, **kw)[0]
     check_invariants(best, ranks, 4)
-    assert split_across_types(best) and not best.excluded and len(best.roles) == 4
+    assert best.splits_across_types and not best.excluded and len(best.roles) == 4
     assert best.predicted_step_s < 0.8 * without.predicted_step_s
     weights = catalog.get(A100).peak_flops("fp16"), catalog.get(V100).peak_flops("fp16")
     for r in best.roles:
@@ -350,7 +341,7 @@ def test_some_random_instances_split_a_layer_across_types(catalog):
             micro_batches=(1, 2),
             tensor_parallel=(1, 2),
         )
-        chosen.append(isinstance(result, list) and split_across_types(result[0]))
+        chosen.append(isinstance(result, list) and result[0].splits_across_types)
     assert sum(chosen) >= 2, chosen
 
 

@@ -113,6 +113,15 @@ class Plan:
         return max((r.tp_degree for r in self.roles), default=1)
 
     @property
+    def splits_across_types(self) -> bool:
+        """True when some stage is a tensor-parallel group of more than one GPU type."""
+        types: dict[tuple[int, int], set[str]] = {}
+        for r in self.roles:
+            if r.tp_weights:
+                types.setdefault((r.pipeline, r.stage), set()).add(r.gpu_type)
+        return any(len(t) > 1 for t in types.values())
+
+    @property
     def predicted_step_s(self) -> float:
         """Compute of the slowest worker, then gradient synchronisation (priced when a link is known)."""
         return self.predicted_compute_s + self.predicted_comm_s
