@@ -1,6 +1,7 @@
 """Checkpoints in object storage: a run whose `run.storage_path` is an s3:// URI on a real local S3 server
 (moto in server mode), stopped after a checkpoint and resumed from the bucket, through `ray job submit` on the
-session's emulated cluster."""
+session's emulated cluster. (A run stopped and resumed on local storage is what a restarted run does:
+tests/test_recovery.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pyarrow.fs
 import pytest
 import torch
 from cluster_jobs import (
+    HELD_OUT,
     STEPS,
+    held_out_loss,
     job_status,
     max_abs_diff,
     ray_cli,
@@ -71,8 +74,8 @@ def listing(uri: str, folder: str) -> list[str]:
 def test_a_run_checkpoints_to_s3_and_resumes_from_the_bucket(cluster, tmp_path, s3):
     """The run writes its checkpoints and result.json under s3://…/runs/<name>/; stopped after its first
     checkpoint and submitted again, it resumes from the bucket (not from step 0) and ends where one process
-    ends (1e-5)."""
-    cfg = run_config(tmp_path / "unused", "s3-run")
+    ends (1e-5), its last evaluation that model's loss on the held-out samples."""
+    cfg = run_config(tmp_path / "unused", "s3-run", evaluate=True)
     cfg["run"]["storage_path"] = s3
     job_id, _ = submit(cluster, tmp_path, cfg, env=CREDENTIALS)
     deadline = time.monotonic() + 240
@@ -91,4 +94,7 @@ def test_a_run_checkpoints_to_s3_and_resumes_from_the_bucket(cluster, tmp_path, 
     fs, _ = pyarrow.fs.FileSystem.from_uri(s3)
     with fs.open_input_file(f"{result['checkpoint_path']}/model.pt") as f:
         params = torch.load(io.BytesIO(f.read()))
-    assert max_abs_diff(params, single_process_reference()) <= 1e-5
+    reference = single_process_reference(held_out=HELD_OUT)
+    assert max_abs_diff(params, reference) <= 1e-5
+    assert result["metrics"]["eval"]["step"] == STEPS - 1
+    assert result["metrics"]["eval"]["loss"] == pytest.approx(held_out_loss(reference), abs=1e-5)

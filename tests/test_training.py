@@ -83,26 +83,6 @@ def test_split_invariance(uninterrupted):
     assert evaluation["loss"] == pytest.approx(held_out_loss(reference), abs=1e-5)
 
 
-def test_resume_after_stop(cluster, tmp_path, uninterrupted):
-    """A run stopped after a checkpoint resumes from it, not from 0, and ends where the uninterrupted run ends."""
-    cfg = run_config(tmp_path / "runs", "resumed", evaluate=True)
-    job_id, _ = submit(cluster, tmp_path, cfg)
-    snapshot = tmp_path / "runs" / "resumed" / "checkpoint_manager_snapshot.json"
-    deadline = time.monotonic() + 240
-    while not snapshot.exists() and time.monotonic() < deadline:
-        assert job_status(cluster, job_id) in ("PENDING", "RUNNING")
-        time.sleep(0.5)
-    ray_cli(cluster, "job", "stop", job_id)
-    assert wait_for(cluster, job_id) == "STOPPED", "the run finished before it could be stopped"
-
-    job_id, out = submit(cluster, tmp_path, cfg)
-    assert wait_for(cluster, job_id) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
-    resumed = json.loads(out.read_text())
-    assert resumed["metrics"]["resumed_from_step"] > 0
-    assert resumed["metrics"]["step"] == STEPS - 1
-    assert max_abs_diff(final_params(resumed), final_params(uninterrupted)) <= 1e-5
-
-
 def test_memory_caps_force_a_pipeline_that_trains_like_one_process(cluster, tmp_path):
     """With 0.75 MiB per device the model fits on no device whole: data parallelism is infeasible,
     the planner cuts the model into pipeline stages, and the run ends where one process on the full batch ends."""
