@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from hetero_ray.cluster.catalog import Catalog
+from hetero_ray.cluster.catalog import Catalog, GpuSpec
 from hetero_ray.config import ONEBIT_OPTIMIZERS
 from hetero_ray.perf.footprint import Footprint, LayerCost
 from hetero_ray.plan.cost import (
@@ -160,12 +160,12 @@ def type_table(
                 tp_per_micro[k] = tp_allreduce_seconds(0.0, 0, tp_degree, tp_link)
                 tp_per_share[k] = tp_allreduce_seconds(out, 1, tp_degree, tp_link, batches=1 / dp_share)
         layers = tuple(c.part(held or 1 / tp_degree) for c in layers)
-    per_sample_at, fixed_s = None, 0.0
-    if measured_seconds(seconds_per_sample, gpu_type, prec) and callable(seconds_per_sample):
+    measured, per_sample_at, fixed_s = measured_seconds(seconds_per_sample, gpu_type, prec), None, 0.0
+    if measured and callable(seconds_per_sample):
         per_sample_at = functools.partial(seconds_per_sample, gpu_type, prec)
         if isinstance(seconds_per_sample, MeasuredSpeeds):
             fixed_s = seconds_per_sample.fixed_seconds(gpu_type, prec)
-    spf = seconds_per_flop(gpu_type, catalog, total_flops, prec, efficiency, seconds_per_sample)
+    spf = seconds_per_flop(spec, measured, total_flops, prec, efficiency)
     act = np.array([c.activation_bytes_per_sample for c in layers], dtype=float)
     out = np.array([c.output_bytes_per_sample for c in layers], dtype=float)
     n = len(layers)
@@ -194,19 +194,12 @@ def type_table(
 
 
 def seconds_per_flop(
-    gpu_type: str,
-    catalog: Catalog,
-    model_flops: float,
-    precision: str,
-    efficiency: float,
-    seconds_per_sample: SecondsPerSample | None,
+    spec: GpuSpec, measured: float | None, model_flops: float, precision: str, efficiency: float
 ) -> float:
-    """One device's seconds per FLOP of the whole model at ``precision``: its measured step per sample where the
-    profile has one, else the catalog's peak at ``efficiency``. The same for any part of a split layer."""
-    measured = measured_seconds(seconds_per_sample, gpu_type, precision)
-    if measured:
-        return measured / model_flops
-    return 1.0 / (catalog.get(gpu_type).peak_flops(precision) * efficiency)
+    """One device's seconds per FLOP of the whole model at ``precision``: its ``measured`` seconds per sample
+    (``measured_seconds``) where the profile has them, else ``spec``'s catalog peak at ``efficiency``. The same
+    for any part of a split layer."""
+    return measured / model_flops if measured else 1.0 / (spec.peak_flops(precision) * efficiency)
 
 
 def group_precision(specs, precision: str | Mapping[str, str]) -> str:
@@ -235,7 +228,11 @@ def group_table(
     slowest member's time is the group's."""
     prec = group_precision([catalog.get(t) for t in gpu_types], precision)
     model_flops = sum(c.flops_per_sample for c in layers)
-    speeds = [1.0 / seconds_per_flop(t, catalog, model_flops, prec, efficiency, seconds_per_sample) for t in gpu_types]
+    speeds = [
+        1.0
+        / seconds_per_flop(catalog.get(t), measured_seconds(seconds_per_sample, t, prec), model_flops, prec, efficiency)
+        for t in gpu_types
+    ]
     weights = tuple(v / sum(speeds) for v in speeds)
     members = tuple(
         type_table(
