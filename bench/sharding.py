@@ -14,10 +14,15 @@
   parallelism at stages 1-3, ZeRO-1 inside pipelines), with the devices each plan leaves unused: over the
   whole space (pipelines too), and over data parallelism alone, as for a model the planner may not
   pipeline. Modelled.
+- ``predicted_over_measured``: the planner's predicted step ÷ the measured one for its data-parallel plan
+  without ZeRO, at ZeRO-2 and at ZeRO-3, on ``bench/plan_accuracy.py``'s throttled cluster (emulated, CPU
+  slices whose speeds the profile measures, a named 1 Gbit/s link): ``--rounds`` runs of each stage, the
+  order rotated between rounds; ``by_stage`` gives every run's figure and their median, the one held to
+  0.90-1.10.
 
 The GPT family: 24 layers, 512 tokens, 128-wide heads; the width grows in steps of 128.
 
-Usage: python bench/sharding.py [--json-out docs/measurements/sharding.json]
+Usage: python bench/sharding.py [--steps 16] [--rounds 3] [--no-measure] [--json-out docs/measurements/sharding.json]
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 from collections.abc import Callable, Sequence
 
 import plan_accuracy as pa  # this folder's (a script's folder leads sys.path): the emulated clusters benches run
@@ -34,6 +40,7 @@ THREE = {"A100-80GB": 2, "V100-16GB": 4, "T4": 4}
 # Four times that mix, where the search replicates pipeline kinds and ZeRO-1 can shard within them.
 THREE_X4 = {t: 4 * n for t, n in THREE.items()}
 LAYERS, TOKENS, HEAD = 24, 512, 128
+STAGES = (0, 2, 3)  # measured on throttled devices: plain data parallelism beside ZeRO-2 and ZeRO-3
 GLOBAL_BATCH = 64
 
 
@@ -293,19 +300,22 @@ def confirm(steps: int) -> dict:
     }
 
 
-def measured(steps: int) -> list[dict]:
-    """``bench/plan_accuracy.py``'s throttled cluster, profiled, then one run each without ZeRO, at ZeRO-2 and at
-    ZeRO-3, side by side: the planner's predicted step ÷ the measured one."""
+def measured(steps: int, rounds: int) -> list[dict]:
+    """``bench/plan_accuracy.py``'s throttled cluster, profiled, then ``rounds`` rounds of one run each without ZeRO,
+    at ZeRO-2 and at ZeRO-3, side by side: the planner's predicted step ÷ the measured one. Each round starts one
+    stage later (0, 2, 3; 2, 3, 0; ...), so no stage always runs first or last: this machine's speed drifts
+    between minutes by as much as the gap between stages."""
     records = []
     with pa.profiled_cluster(steps) as profiled:
         from hetero_ray.train.prepare import prepare
         from hetero_ray.train.trainer import run_training
 
-        for stage in (0, 2, 3):
+        for i in range(rounds * len(STAGES)):
+            stage = STAGES[(i // len(STAGES) + i) % len(STAGES)]
             cfg = profiled.model_copy(
                 update={
                     "optimizer": profiled.optimizer.model_copy(update={"zero_stage": stage}),
-                    "run": profiled.run.model_copy(update={"name": f"{profiled.run.name}-zero{stage}"}),
+                    "run": profiled.run.model_copy(update={"name": f"{profiled.run.name}-{i}-zero{stage}"}),
                 }
             )
             prepared = prepare(cfg)
@@ -313,6 +323,7 @@ def measured(steps: int) -> list[dict]:
             plan = prepared.plan
             records.append(
                 {
+                    "round": i // len(STAGES),
                     "zero_stage": stage,
                     "plan": "pipelined" if plan.is_pipelined else "data parallel",
                     "devices_used": [r.gpu_type for r in plan.roles],
@@ -325,6 +336,17 @@ def measured(steps: int) -> list[dict]:
                 }
             )
     return records
+
+
+def by_stage(runs: list[dict]) -> dict:
+    """Each stage's ``predicted_over_measured`` over the rounds: every run's, their median, and whether the median
+    is within 0.90-1.10."""
+    out = {}
+    for stage in STAGES:
+        ratios = [r["predicted_over_measured"] for r in runs if r["zero_stage"] == stage]
+        median = statistics.median(ratios)
+        out[f"zero{stage}"] = {"runs": ratios, "median": median, "target_met": 0.90 <= median <= 1.10}
+    return out
 
 
 def fresh_process(fn: Callable, *args):
@@ -341,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--steps", type=int, default=16, help="steps of each emulated run")
+    parser.add_argument("--rounds", type=int, default=3, help="throttled runs of each ZeRO stage, in rotated order")
     parser.add_argument("--no-measure", action="store_true", help="the modelled figures alone")
     args = parser.parse_args(argv)
     from hetero_ray.cluster.catalog import load_catalog
@@ -349,9 +372,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = {"capacity": capacity(catalog)}
     if not args.no_measure:
         out["capacity"]["confirmed"] = fresh_process(confirm, args.steps)
+        runs = fresh_process(measured, args.steps, args.rounds)
         out["predicted_over_measured"] = {
             "kind": "emulated, throttled (CPU slices, profiled first; a named 1 Gbit/s link)",
-            "runs": fresh_process(measured, args.steps),
+            "by_stage": by_stage(runs),
+            "runs": runs,
         }
     # The largest GPT an A100-80GB holds whole, and the largest ZeRO-3 trains on the two-type mix (none whole).
     widths = out["capacity"]["width"]
