@@ -198,8 +198,7 @@ REFERENCE = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def reference(cluster) -> dict[str, dict[str, dict[int, float]]]:
+def _measure_reference(cluster) -> dict[str, dict[str, dict[int, float]]]:
     """Per type, seconds per step and cores used at micro-batches 2 and 8, over two-second windows."""
     done = subprocess.run(
         [sys.executable, "-c", REFERENCE, json.dumps(PROFILE_OPTIONS), ",".join(SHARES)],
@@ -215,15 +214,35 @@ def reference(cluster) -> dict[str, dict[str, dict[int, float]]]:
     }
 
 
+@pytest.fixture(scope="module")
+def reference(cluster) -> dict[str, dict[str, dict[int, float]]]:
+    """The devices' own speeds, measured before the profile."""
+    return _measure_reference(cluster)
+
+
+@pytest.fixture(scope="module")
+def references(reference, profiled, cluster) -> list[dict[str, dict[str, dict[int, float]]]]:
+    """The devices' own speeds measured just before the profile and again just after it."""
+    return [reference, _measure_reference(cluster)]
+
+
 def _v100_over_a100(reference, b: int) -> float:
     return reference["V100-16GB"]["seconds"][b] / reference["A100-80GB"]["seconds"][b]
 
 
-# Run to run on one throttled cluster, the profile's ratio was within -18 % and +14 % of the reference's
-# (8 pairs; both measure the same devices, a minute apart, and the devices' interference drifts). A CI run
-# on 2026-12-06 measured -20.1 % (3.01 against 3.77 at micro-batch 2), so the bound is 25 %: still far
-# inside what a profile that did not measure the devices would give (the shares' 2.5, -34 % here).
+# The devices' relative speed drifts with their interference on the machine: on one throttled cluster the
+# profile's ratio was within -18 % and +14 % of a reference measured a minute before (8 pairs), and CI runs on
+# 2026-12-06 measured -20.1 % (3.01 against 3.77) and -31 % (3.32 against 4.81). Two references around one
+# profile, 40 s apart, gave 2.32 and 3.52 at micro-batch 2 (the profile 3.58). So the profile is held to the
+# range of a reference just before it and one just after, widened by 25 %. Both references are held above 2.0
+# (0.8 of the shares' ratio), so the range starts above 1.5, and a profile that did not time the slices falls
+# outside it: 1.0 unthrottled, the catalog's 1.24 modelled. The shares' 2.5 can fall inside it; the shares are
+# not what this tells apart.
 SAME_DEVICES = 0.25
+
+
+def _within_drift(got: float, measured: list[float]) -> bool:
+    return min(measured) * (1 - SAME_DEVICES) <= got <= max(measured) * (1 + SAME_DEVICES)
 
 
 def test_the_slices_get_their_shares(reference):
@@ -241,24 +260,28 @@ def test_the_slices_get_their_shares(reference):
         assert _v100_over_a100(reference, b) > 0.8 * TRUE_RATIO, reference
 
 
-def test_profile_measures_what_the_devices_do(profiled, reference):
-    """The profile's V100 : A100 step times are the devices' own (the reference's), within their drift."""
+def test_profile_measures_what_the_devices_do(profiled, references):
+    """The profile's V100 : A100 step times are the devices' own (the references' around it), within their
+    drift."""
     table = history.load(profiled)
     assert table["emulated"].all() and (table["clock"] == "wall").all()
     step = table.set_index(["gpu_type", "micro_batch"])["step_s"]
     for b in (2, 8):
         ratio = step["V100-16GB", b] / step["A100-80GB", b]
-        assert ratio == pytest.approx(_v100_over_a100(reference, b), rel=SAME_DEVICES), (b, reference, step.to_dict())
+        measured = [_v100_over_a100(r, b) for r in references]
+        assert min(measured) > 0.8 * TRUE_RATIO, references
+        assert _within_drift(ratio, measured), (b, ratio, measured, references, step.to_dict())
 
 
 def _a100_samples_of_14(speed: float) -> float:
     return 14 * speed / (1 + speed)
 
 
-def test_plan_from_the_profile_splits_by_the_devices_speeds(profiled, reference):
+def test_plan_from_the_profile_splits_by_the_devices_speeds(profiled, references):
     """From the profile alone (the catalog says A100 : V100 = 1.24 : 1 in fp32), a proportional split of 14
     samples gives the A100 its share by the devices' measured speeds at the even share (7 samples, from the
-    reference, within the devices' drift), to within one sample more: a sample is 7 % of this batch."""
+    references around the profile, within the devices' drift), to within one sample more: a sample is 7 % of
+    this batch."""
     cfg = parse_config(
         {
             "devices": {"A100-80GB": 1, "V100-16GB": 1},
@@ -272,10 +295,15 @@ def test_plan_from_the_profile_splits_by_the_devices_speeds(profiled, reference)
     footprint = measure_footprint(lambda: build_workload("gpt", PROFILE_OPTIONS))
     plan = plan_for(cfg, ["A100-80GB", "V100-16GB"], catalog, footprint, 0.4, emulated=True)
     shares = {r.gpu_type: r.local_batch for r in plan.roles}
-    at_7 = {t: f["seconds"][2] + (f["seconds"][8] - f["seconds"][2]) * (7 - 2) / (8 - 2) for t, f in reference.items()}
-    speed = at_7["V100-16GB"] / at_7["A100-80GB"]  # A100 : V100 samples per second
-    low, high = _a100_samples_of_14(speed * (1 - SAME_DEVICES)), _a100_samples_of_14(speed * (1 + SAME_DEVICES))
-    assert low - 1 < shares["A100-80GB"] < high + 1, (shares, reference)
+    speeds = []  # A100 : V100 samples per second at 7 samples each, by each reference
+    for reference in references:
+        at_7 = {
+            t: f["seconds"][2] + (f["seconds"][8] - f["seconds"][2]) * (7 - 2) / (8 - 2) for t, f in reference.items()
+        }
+        speeds.append(at_7["V100-16GB"] / at_7["A100-80GB"])
+    low = _a100_samples_of_14(min(speeds) * (1 - SAME_DEVICES))
+    high = _a100_samples_of_14(max(speeds) * (1 + SAME_DEVICES))
+    assert low - 1 < shares["A100-80GB"] < high + 1, (shares, speeds, references)
     catalog_plan = plan_for(
         cfg.model_copy(update={"profile_history": None}),
         ["A100-80GB", "V100-16GB"],
