@@ -230,19 +230,20 @@ def _v100_over_a100(reference, b: int) -> float:
     return reference["V100-16GB"]["seconds"][b] / reference["A100-80GB"]["seconds"][b]
 
 
-# The devices' relative speed drifts with their interference on the machine: on one throttled cluster the
-# profile's ratio was within -18 % and +14 % of a reference measured a minute before (8 pairs), and CI runs on
-# 2026-12-06 measured -20.1 % (3.01 against 3.77) and -31 % (3.32 against 4.81). Two references around one
-# profile, 40 s apart, gave 2.32 and 3.52 at micro-batch 2 (the profile 3.58). So the profile is held to the
-# range of a reference just before it and one just after, widened by 25 %. Both references are held above 2.0
-# (0.8 of the shares' ratio), so the range starts above 1.5, and a profile that did not time the slices falls
-# outside it: 1.0 unthrottled, the catalog's 1.24 modelled. The shares' 2.5 can fall inside it; the shares are
-# not what this tells apart.
-SAME_DEVICES = 0.25
+# The devices' relative speed drifts with their interference on the machine, more than a profile's error could
+# show: two references 40 s apart gave 2.32 and 3.52 at micro-batch 2, and five profiles on one cluster, each
+# between two references, ran from 3 % under the lower to 18 % over the higher (2026-12-07); CI runs measured a
+# profile 31 % under one reference and 36 % over the higher of two (4.42 against 2.99 and 3.25). So the profile
+# is held from below by what the shares fix, not by a reference: V100 : A100 at least 0.8 of the shares' 2.5 : 1
+# (a slice never computes more per CPU second than a faster one does; the references are held to the same
+# floor), which a profile that did not time the slices misses by far: 1.0 unthrottled, the catalog's 1.24
+# modelled. From above it is held to 1.5 times the higher reference around it, the drift seen with room.
+SHARES_FLOOR = 0.8 * TRUE_RATIO
+DRIFT = 1.5
 
 
 def _within_drift(got: float, measured: list[float]) -> bool:
-    return min(measured) * (1 - SAME_DEVICES) <= got <= max(measured) * (1 + SAME_DEVICES)
+    return SHARES_FLOOR <= got <= max(measured) * DRIFT
 
 
 def test_the_slices_get_their_shares(reference):
@@ -257,19 +258,19 @@ def test_the_slices_get_their_shares(reference):
     for b in (2, 8):
         cores = reference["A100-80GB"]["cores"][b] / reference["V100-16GB"]["cores"][b]
         assert cores == pytest.approx(TRUE_RATIO, rel=0.1), reference
-        assert _v100_over_a100(reference, b) > 0.8 * TRUE_RATIO, reference
+        assert _v100_over_a100(reference, b) > SHARES_FLOOR, reference
 
 
 def test_profile_measures_what_the_devices_do(profiled, references):
-    """The profile's V100 : A100 step times are the devices' own (the references' around it), within their
-    drift."""
+    """The profile's V100 : A100 step times are the devices' own: at least what the shares fix, at most the
+    references' around it with their drift."""
     table = history.load(profiled)
     assert table["emulated"].all() and (table["clock"] == "wall").all()
     step = table.set_index(["gpu_type", "micro_batch"])["step_s"]
     for b in (2, 8):
         ratio = step["V100-16GB", b] / step["A100-80GB", b]
         measured = [_v100_over_a100(r, b) for r in references]
-        assert min(measured) > 0.8 * TRUE_RATIO, references
+        assert min(measured) > SHARES_FLOOR, references
         assert _within_drift(ratio, measured), (b, ratio, measured, references, step.to_dict())
 
 
@@ -279,9 +280,9 @@ def _a100_samples_of_14(speed: float) -> float:
 
 def test_plan_from_the_profile_splits_by_the_devices_speeds(profiled, references):
     """From the profile alone (the catalog says A100 : V100 = 1.24 : 1 in fp32), a proportional split of 14
-    samples gives the A100 its share by the devices' measured speeds at the even share (7 samples, from the
-    references around the profile, within the devices' drift), to within one sample more: a sample is 7 % of
-    this batch."""
+    samples gives the A100 its share by the devices' measured speeds: at least what the shares fix, at most
+    what the references around the profile give at the even share (7 samples) with their drift, to within one
+    sample more (a sample is 7 % of this batch). The catalog's split is not in that range."""
     cfg = parse_config(
         {
             "devices": {"A100-80GB": 1, "V100-16GB": 1},
@@ -301,8 +302,8 @@ def test_plan_from_the_profile_splits_by_the_devices_speeds(profiled, references
             t: f["seconds"][2] + (f["seconds"][8] - f["seconds"][2]) * (7 - 2) / (8 - 2) for t, f in reference.items()
         }
         speeds.append(at_7["V100-16GB"] / at_7["A100-80GB"])
-    low = _a100_samples_of_14(min(speeds) * (1 - SAME_DEVICES))
-    high = _a100_samples_of_14(max(speeds) * (1 + SAME_DEVICES))
+    low = _a100_samples_of_14(SHARES_FLOOR)
+    high = _a100_samples_of_14(max(speeds) * DRIFT)
     assert low - 1 < shares["A100-80GB"] < high + 1, (shares, speeds, references)
     catalog_plan = plan_for(
         cfg.model_copy(update={"profile_history": None}),
