@@ -242,7 +242,7 @@ SHARES_FLOOR = 0.8 * TRUE_RATIO
 DRIFT = 1.5
 
 
-def _within_drift(got: float, measured: list[float]) -> bool:
+def _between_shares_and_drift(got: float, measured: list[float]) -> bool:
     return SHARES_FLOOR <= got <= max(measured) * DRIFT
 
 
@@ -271,7 +271,7 @@ def test_profile_measures_what_the_devices_do(profiled, references):
         ratio = step["V100-16GB", b] / step["A100-80GB", b]
         measured = [_v100_over_a100(r, b) for r in references]
         assert min(measured) > SHARES_FLOOR, references
-        assert _within_drift(ratio, measured), (b, ratio, measured, references, step.to_dict())
+        assert _between_shares_and_drift(ratio, measured), (b, ratio, measured, references, step.to_dict())
 
 
 def _a100_samples_of_14(speed: float) -> float:
