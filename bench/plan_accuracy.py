@@ -20,11 +20,12 @@ Usage: python bench/plan_accuracy.py [--mode throttled|padded] [--steps 16]
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -155,15 +156,19 @@ def connected_cluster(devices: dict[str, int], cpu_share: dict[str, float] | Non
 
 
 @contextmanager
-def profiled_cluster(steps: int) -> Iterator[RunConfig]:
-    """The throttled cluster up, Ray connected, every device profiled: the run config with its profile, for the
-    benches that measure plans on this cluster."""
+def profiled_cluster(steps: int) -> Iterator[Callable[[], RunConfig]]:
+    """The throttled cluster up and Ray connected: a function that profiles every device (all at once, each
+    beside the others, as in the runs) into a history of its own and returns the run config planned from it,
+    for the benches that measure plans on this cluster. Each call is a fresh profile."""
     from rich.console import Console
 
     with connected_cluster(DEVICES, CPU_SHARE), tempfile.TemporaryDirectory() as tmp:
         from hetero_ray.perf.remote import profile_run  # imports Ray: after the cluster's environment is set
 
-        yield profile_run(config(steps, "throttled"), f"{tmp}/profile.parquet", Console(stderr=True))
+        profiles = itertools.count()
+        yield lambda: profile_run(
+            config(steps, "throttled"), f"{tmp}/profile-{next(profiles)}.parquet", Console(stderr=True)
+        )
 
 
 def measure(steps: int = 16, mode: str = "throttled") -> list[dict]:

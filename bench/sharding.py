@@ -16,13 +16,13 @@
   pipeline. Modelled.
 - ``predicted_over_measured``: the planner's predicted step ÷ the measured one for its data-parallel plan
   without ZeRO, at ZeRO-2 and at ZeRO-3, on ``bench/plan_accuracy.py``'s throttled cluster (emulated, CPU
-  slices whose speeds the profile measures, a named 1 Gbit/s link): ``--rounds`` runs of each stage, the
-  order rotated between rounds; ``by_stage`` gives every run's figure and their median, the one held to
-  0.90-1.10.
+  slices whose speeds the profile measures, a named 1 Gbit/s link): ``--rounds`` rounds, each a fresh profile
+  then one run of each stage, the order rotated between rounds; ``by_stage`` gives every run's figure and their
+  median, the one held to 0.90-1.10.
 
 The GPT family: 24 layers, 512 tokens, 128-wide heads; the width grows in steps of 128.
 
-Usage: python bench/sharding.py [--steps 16] [--rounds 3] [--no-measure] [--json-out docs/measurements/sharding.json]
+Usage: python bench/sharding.py [--steps 16] [--rounds 5] [--no-measure] [--json-out docs/measurements/sharding.json]
 """
 
 from __future__ import annotations
@@ -301,40 +301,44 @@ def confirm(steps: int) -> dict:
 
 
 def measured(steps: int, rounds: int) -> list[dict]:
-    """``bench/plan_accuracy.py``'s throttled cluster, profiled, then ``rounds`` rounds of one run each without ZeRO,
-    at ZeRO-2 and at ZeRO-3, side by side: the planner's predicted step ÷ the measured one. Each round starts one
-    stage later (0, 2, 3; 2, 3, 0; ...), so no stage always runs first or last: this machine's speed drifts
-    between minutes by as much as the gap between stages."""
+    """``bench/plan_accuracy.py``'s throttled cluster, then ``rounds`` rounds of a fresh profile and one run each
+    without ZeRO, at ZeRO-2 and at ZeRO-3, side by side: the planner's predicted step from that round's profile ÷
+    the measured one. This machine's speed drifts between minutes by as much as the gap between stages, in the
+    profile as in the runs, so each round pairs a profile of its own with the runs after it (one profile for all
+    rounds would be one draw of that drift in every figure), and each round starts one stage later (0, 2, 3;
+    2, 3, 0; ...), so no stage always runs first or last."""
     records = []
-    with pa.profiled_cluster(steps) as profiled:
+    with pa.profiled_cluster(steps) as profile:
         from hetero_ray.train.prepare import prepare
         from hetero_ray.train.trainer import run_training
 
-        for i in range(rounds * len(STAGES)):
-            stage = STAGES[(i // len(STAGES) + i) % len(STAGES)]
-            cfg = profiled.model_copy(
-                update={
-                    "optimizer": profiled.optimizer.model_copy(update={"zero_stage": stage}),
-                    "run": profiled.run.model_copy(update={"name": f"{profiled.run.name}-{i}-zero{stage}"}),
-                }
-            )
-            prepared = prepare(cfg)
-            metrics = run_training(cfg, prepared).metrics
-            plan = prepared.plan
-            records.append(
-                {
-                    "round": i // len(STAGES),
-                    "zero_stage": stage,
-                    "plan": "pipelined" if plan.is_pipelined else "data parallel",
-                    "devices_used": [r.gpu_type for r in plan.roles],
-                    "shares": [r.local_batch for r in plan.roles],
-                    "predicted_step_s": plan.predicted_step_s,
-                    "predicted_comm_s": plan.predicted_comm_s,
-                    "measured_step_s": metrics["step_s"],
-                    "predicted_over_measured": plan.predicted_step_s / metrics["step_s"],
-                    "devices": [pa.device_record(d) for d in metrics["devices"]],
-                }
-            )
+        for round_ in range(rounds):
+            profiled = profile()
+            for i in range(len(STAGES)):
+                stage = STAGES[(round_ + i) % len(STAGES)]
+                cfg = profiled.model_copy(
+                    update={
+                        "optimizer": profiled.optimizer.model_copy(update={"zero_stage": stage}),
+                        "run": profiled.run.model_copy(update={"name": f"{profiled.run.name}-zero{stage}"}),
+                    }
+                )
+                prepared = prepare(cfg)
+                metrics = run_training(cfg, prepared).metrics
+                plan = prepared.plan
+                records.append(
+                    {
+                        "round": round_,
+                        "zero_stage": stage,
+                        "plan": "pipelined" if plan.is_pipelined else "data parallel",
+                        "devices_used": [r.gpu_type for r in plan.roles],
+                        "shares": [r.local_batch for r in plan.roles],
+                        "predicted_step_s": plan.predicted_step_s,
+                        "predicted_comm_s": plan.predicted_comm_s,
+                        "measured_step_s": metrics["step_s"],
+                        "predicted_over_measured": plan.predicted_step_s / metrics["step_s"],
+                        "devices": [pa.device_record(d) for d in metrics["devices"]],
+                    }
+                )
     return records
 
 
@@ -363,7 +367,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--steps", type=int, default=16, help="steps of each emulated run")
-    parser.add_argument("--rounds", type=int, default=3, help="throttled runs of each ZeRO stage, in rotated order")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="throttled rounds: a profile, then a run of each ZeRO stage in rotated order",
+    )
     parser.add_argument("--no-measure", action="store_true", help="the modelled figures alone")
     args = parser.parse_args(argv)
     from hetero_ray.cluster.catalog import load_catalog
@@ -374,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         out["capacity"]["confirmed"] = fresh_process(confirm, args.steps)
         runs = fresh_process(measured, args.steps, args.rounds)
         out["predicted_over_measured"] = {
-            "kind": "emulated, throttled (CPU slices, profiled first; a named 1 Gbit/s link)",
+            "kind": "emulated, throttled (CPU slices, profiled at the start of every round; a named 1 Gbit/s link)",
             "by_stage": by_stage(runs),
             "runs": runs,
         }
