@@ -19,6 +19,7 @@ from hetero_ray.perf.model import (
     NoHistory,
     StepCurve,
     cross_type_terms,
+    expected_slowest,
     fit_cross_type,
     fit_memory_line,
     fit_perf_model,
@@ -359,6 +360,72 @@ def test_profile_on_the_thread_clock_feeds_the_model():
     for m in rows:
         assert math.isclose(model.step_seconds(CPU, m.micro_batch, "fp32"), m.step_s, rel_tol=0.5)
         assert model.peak_memory_bytes(CPU, m.micro_batch, "fp32") == pytest.approx(m.peak_memory_bytes, rel=0.05)
+
+
+def test_expected_slowest_is_the_mean_of_the_largest_of_normals():
+    """The closed forms: two alike σ/√π, one varying beside one that does not σ/√(2π), two unlike
+    √(σ₁² + σ₂²)/√(2π); four alike 1.0294 σ (the tabulated expected maximum of four standard normals)."""
+    assert expected_slowest([0.02, 0.02]) == pytest.approx(0.02 / math.sqrt(math.pi), rel=1e-6)
+    assert expected_slowest([0.02, 0.0]) == pytest.approx(0.02 / math.sqrt(2 * math.pi), rel=1e-5)
+    assert expected_slowest([0.03, 0.01]) == pytest.approx(math.sqrt(0.001) / math.sqrt(2 * math.pi), rel=1e-6)
+    assert expected_slowest([0.02] * 4) == pytest.approx(0.02 * 1.02938, rel=1e-4)
+    assert expected_slowest([0.02] * 8) > expected_slowest([0.02] * 4)  # more workers, a later slowest
+    assert expected_slowest([0.05]) == expected_slowest([0.0, 0.0]) == expected_slowest([]) == 0.0
+
+
+def test_model_keeps_each_types_spread_from_its_repeats(catalog):
+    """The spread is the repeats' relative IQR in σ (÷ 1.349), the median over a type's points; a modelled row
+    (no repeats) gives none, and a type without one does not vary."""
+    rows = [
+        measurement(gpu_type="A100-80GB", micro_batch=b, step_s=0.1 * b, step_s_spread=0.1 * b * rel)
+        for b, rel in ((1, 0.01), (2, 0.03), (4, 0.02))
+    ] + [measurement(gpu_type="V100-16GB", micro_batch=b, step_s=0.2 * b, step_s_spread=0.0, repeats=0) for b in (1, 2)]
+    model = fit_perf_model(history.to_frame(rows), "gpt", catalog=catalog)
+    assert model.spreads == {("A100-80GB", "fp32"): pytest.approx(0.02 / 1.349)}
+    two_a100s = [("A100-80GB", "fp32")] * 2
+    assert model.straggler_factor(two_a100s) == pytest.approx(1 + 0.02 / 1.349 / math.sqrt(math.pi))
+    assert model.straggler_factor([("A100-80GB", "fp32"), ("V100-16GB", "fp32")]) == pytest.approx(
+        1 + 0.02 / 1.349 / math.sqrt(2 * math.pi), rel=1e-5
+    )
+    assert model.straggler_factor([("A100-80GB", "fp32")]) == 1.0
+
+
+def test_planner_prices_the_slowest_of_workers_whose_steps_vary(tmp_path):
+    """Two devices whose profiled steps varied by a relative IQR of 4 % are planned at the expected slower of the
+    two (1 + 0.04 / 1.349 / √π over one device's step), and the plan says so; without spread, at one's step."""
+    from hetero_ray.config import parse_config
+    from hetero_ray.train.prepare import prepare
+
+    options = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "corpus_bytes": 20_000}
+    same = StepCurve(overhead_s=0.0, per_sample_s=0.01, exponent=1.0)
+    plans = {}
+    for rel in (0.0, 0.04):
+        rows = history.to_frame(
+            measurement(
+                gpu_type=t,
+                micro_batch=b,
+                step_s=same(b),
+                step_s_spread=rel * same(b),
+                workload_hash=options_hash(options),
+            )
+            for t in ("A100-80GB", "V100-16GB")
+            for b in BATCHES
+        )
+        path = tmp_path / f"h{rel}.parquet"
+        history.append(path, rows)
+        cfg = {
+            "devices": {"A100-80GB": 1, "V100-16GB": 1},
+            "workload": {"name": "gpt", "options": options},
+            "train": {"global_batch": 40, "precision": "fp32"},
+            "profile_history": str(path),
+        }
+        plans[rel] = prepare(parse_config(cfg)).plan
+    steady, varying = plans[0.0], plans[0.04]
+    assert steady.predicted_compute_s == pytest.approx(20 * 0.01)
+    assert varying.predicted_compute_s == pytest.approx(20 * 0.01 * (1 + 0.04 / 1.349 / math.sqrt(math.pi)))
+    assert [r.local_batch for r in varying.roles] == [r.local_batch for r in steady.roles] == [20, 20]
+    assert "priced at the slowest of 2 workers: 1.7%" in varying.explanation
+    assert "priced at the slowest" not in steady.explanation
 
 
 def test_planner_prices_types_with_the_profiled_model(tmp_path):

@@ -26,12 +26,20 @@ Fitted per workload from the profile history (``perf/history.py``):
 - **Peak memory**, ``MemoryLine``: ``static_bytes + per_sample_bytes · b`` by least
   squares; a type without history takes the median line of the others (activation
   bytes scaled by ``activation_scale`` across precisions).
+- **Spread**, per (type, precision) with timed repeats: how much one device's step
+  varies from step to step, as a relative standard deviation (the repeats'
+  interquartile range ÷ their median ÷ 1.349, a normal's IQR in σ; the median over the
+  type's points). A synchronous step waits for the slowest of its workers, so
+  ``straggler_factor`` prices every modelled time at the expected slowest of them:
+  ``1 + E[max_i σ_i Z_i]`` (``expected_slowest``), independent normal steps.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -41,6 +49,8 @@ import pandas as pd
 from hetero_ray.cluster.catalog import Catalog, GpuSpec, load_catalog
 from hetero_ray.plan.cost import activation_scale
 
+# A normal distribution's interquartile range in standard deviations (2 × 0.6745).
+IQR_PER_SIGMA = 1.349
 EXPONENTS = tuple(float(x) for x in np.round(np.linspace(0.5, 1.5, 21), 2))
 # Cross-type terms, in the order a growing number of profiled types admits them.
 CROSS_TYPE_TERMS = ("compute", "bandwidth", "host")
@@ -146,6 +156,26 @@ def fit_memory_line(micro_batches: Sequence[float], peak_bytes: Sequence[float])
     return MemoryLine(static_bytes=float(intercept), per_sample_bytes=float(slope))
 
 
+def expected_slowest(spreads: Sequence[float]) -> float:
+    """``E[max_i σ_i Z_i]`` for independent standard normals ``Z_i``: how much later than a balanced step's mean
+    the slowest of workers whose steps vary by the relative standard deviations ``spreads`` ends (0 for one worker
+    or none that varies; 0.5642 σ for two alike, 1.0294 σ for four). By ``E[M] = ∫₀^∞ (1 − F(x)) dx − ∫₋∞^0 F(x)
+    dx`` with ``F(x) = Π Φ(x / σ_i)``, to 8 of the largest σ either side."""
+    varying = Counter(s for s in spreads if s > 0)
+    if len(spreads) < 2 or not varying:
+        return 0.0
+    erf = np.vectorize(math.erf)
+
+    def cdf(x: np.ndarray) -> np.ndarray:
+        return np.prod([(0.5 * (1 + erf(x / (s * math.sqrt(2))))) ** n for s, n in varying.items()], axis=0)
+
+    x = np.linspace(0.0, 8 * max(varying), 2001)
+    late = np.trapezoid(1 - cdf(x), x)
+    # A worker that does not vary ends at the mean, so the slowest never ends before it.
+    early = np.trapezoid(cdf(-x), x) if sum(varying.values()) == len(spreads) else 0.0
+    return float(late - early)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CrossType:
     """Seconds per sample on any catalog type: ``flops / peak(precision) + bytes / bandwidth + host_s``."""
@@ -204,6 +234,8 @@ class PerfModel:
     emulated: bool
     curves: Mapping[TypePrecision, StepCurve]
     memory: Mapping[TypePrecision, MemoryLine]
+    spreads: Mapping[TypePrecision, float] = field(default_factory=dict)
+    """Relative standard deviation of one device's step, by (type, precision) with timed repeats."""
     catalog: Catalog = field(compare=False, repr=False)
 
     def has_history(self, gpu_type: str, precision: str) -> bool:
@@ -246,6 +278,11 @@ class PerfModel:
             raise NoHistory(f"{self.workload}: no memory history at all")
         return statistics.median(m(micro_batch) for m in scaled)
 
+    def straggler_factor(self, workers: Sequence[TypePrecision]) -> float:
+        """What a synchronous step of ``workers`` (one (type, precision) each) costs over one balanced worker's
+        modelled step: ``1 + expected_slowest`` of their spreads (a type without timed repeats does not vary)."""
+        return 1.0 + expected_slowest([self.spreads.get(w, 0.0) for w in workers])
+
     def cross_type(self, micro_batch: int) -> CrossType:
         """The catalog fallback at ``micro_batch``, learnt from every catalog type with history."""
         points = [
@@ -286,7 +323,8 @@ def fit_perf_model(
     """Fit the model of ``workload`` from ``history`` rows of that workload and emulated flag.
 
     ``workload_hash`` picks one set of options when the history holds several.
-    Repeated measurements of one point are combined by their median.
+    Repeated measurements of one point are combined by their median, and so are the relative spreads of a
+    type's points (rows without timed repeats, such as a padded device's modelled ones, give none).
     """
     rows = history[(history["workload"] == workload) & (history["emulated"] == emulated)]
     hashes = sorted(rows["workload_hash"].unique())
@@ -310,11 +348,17 @@ def fit_perf_model(
         b = group.index.get_level_values("micro_batch").to_numpy()
         curves[(gpu_type, precision)] = fit_step_curve(b, group["step_s"].to_numpy())
         memory[(gpu_type, precision)] = fit_memory_line(b, group["peak_memory_bytes"].to_numpy())
+    timed = rows[(rows["repeats"] >= 2) & (rows["step_s"] > 0)]
+    relative = (timed["step_s_spread"] / timed["step_s"] / IQR_PER_SIGMA).groupby(
+        [timed["gpu_type"], timed["precision"]]
+    )
+    spreads = {key: float(value) for key, value in relative.median().items()}
     return PerfModel(
         workload=workload,
         workload_hash=str(chosen),
         emulated=emulated,
         curves=curves,
         memory=memory,
+        spreads=spreads,
         catalog=catalog or load_catalog(),
     )

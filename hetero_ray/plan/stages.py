@@ -50,6 +50,8 @@ class MeasuredSpeeds:
 
     per_sample: Callable[[str, str, int | None], float | None]
     fixed_seconds: Callable[[str, str], float]
+    straggler: float = 1.0
+    """The factor both already include for the slowest of the workers (``PerfModel.straggler_factor``)."""
 
     def __call__(self, gpu_type: str, precision: str, micro_batch: int | None) -> float | None:
         return self.per_sample(gpu_type, precision, micro_batch)

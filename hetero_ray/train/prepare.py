@@ -112,11 +112,13 @@ def topology_for(cfg: RunConfig, catalog: Catalog, types: list[str]) -> Topology
     )
 
 
-def profiled_speeds(cfg: RunConfig, catalog: Catalog) -> MeasuredSpeeds | None:
+def profiled_speeds(cfg: RunConfig, catalog: Catalog, workers: list[str] | None = None) -> MeasuredSpeeds | None:
     """Seconds per sample by (type, precision, micro-batch), and each type's fixed cost of a step, from the
     performance model fitted to ``profile_history``; ``None`` without a history.
 
-    Micro-batch ``None`` prices a data-parallel worker, at an even share of the global batch.
+    Micro-batch ``None`` prices a data-parallel worker, at an even share of the global batch. Every time is the
+    expected slowest of the ``workers``' (GPU types; default the config's) by ``PerfModel.straggler_factor``:
+    their steps meet at every synchronisation, and each varies as its type's profiled repeats did.
     """
     if cfg.profile_history is None:
         return None
@@ -131,12 +133,18 @@ def profiled_speeds(cfg: RunConfig, catalog: Catalog) -> MeasuredSpeeds | None:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"profile_history: {cfg.profile_history}: {exc}") from None
     even = max(1, cfg.train.global_batch // cfg.num_workers)
+    slowest = model.straggler_factor(
+        [(t, choose_precision(catalog.get(t), cfg.train.precision)) for t in workers or rank_types(cfg)]
+    )
 
     def seconds_per_sample(gpu_type: str, precision: str, micro_batch: int | None) -> float:
         micro = micro_batch or even
-        return model.step_seconds(gpu_type, micro, precision) / micro
+        return slowest * model.step_seconds(gpu_type, micro, precision) / micro
 
-    return MeasuredSpeeds(per_sample=seconds_per_sample, fixed_seconds=model.fixed_seconds)
+    def fixed_seconds(gpu_type: str, precision: str) -> float:
+        return slowest * model.fixed_seconds(gpu_type, precision)
+
+    return MeasuredSpeeds(per_sample=seconds_per_sample, fixed_seconds=fixed_seconds, straggler=slowest)
 
 
 def plan_for(
@@ -153,6 +161,7 @@ def plan_for(
     """
     stage = cfg.optimizer.zero_stage
     link = cfg.link
+    speeds = profiled_speeds(cfg, catalog, types)
 
     def data_parallel(zero_stage: int) -> Plan | Infeasible:
         return plan_data_parallel(
@@ -169,7 +178,7 @@ def plan_for(
             compressed=cfg.optimizer.name in ONEBIT_OPTIMIZERS,
             reduce_dtype=cfg.train.reduce_dtype,
             zero_stage=zero_stage,
-            seconds_per_sample=profiled_speeds(cfg, catalog),
+            seconds_per_sample=speeds,
         )
 
     def searched(zero_stage: int) -> Plan | Infeasible:
@@ -187,7 +196,7 @@ def plan_for(
             precision=cfg.train.precision,
             efficiency=efficiency,
             emulated=emulated,
-            seconds_per_sample=profiled_speeds(cfg, catalog),
+            seconds_per_sample=speeds,
             reduce_dtype=cfg.train.reduce_dtype,
             tensor_parallel=search.powers_of_two(cfg.train.max_tensor_parallel) if zero_stage == 0 else (1,),
             zero_stage=zero_stage,
@@ -203,6 +212,12 @@ def plan_for(
     plan = fastest_zero_stage({k: at_stage(k) for k in (0, 1, 2, 3)}) if stage == "auto" else at_stage(stage)
     if isinstance(plan, Infeasible):
         raise PlanError(plan.reason)
+    if speeds is not None and speeds.straggler > 1:
+        why = (
+            f"times priced at the slowest of {len(types)} workers: {speeds.straggler - 1:.1%} over one worker's "
+            "profiled step, by how much its steps varied"
+        )
+        plan = replace(plan, explanation=f"{plan.explanation}; {why}")
     return check_plan(plan, footprint, cfg)
 
 
