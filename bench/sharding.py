@@ -309,7 +309,7 @@ def measured(steps: int, rounds: int) -> list[dict]:
     2, 3, 0; ...), so no stage always runs first or last."""
     records = []
     with pa.profiled_cluster(steps) as profile:
-        from hetero_ray.train.prepare import prepare
+        from hetero_ray.train.prepare import prepare, profiled_speeds
         from hetero_ray.train.trainer import run_training
 
         for round_ in range(rounds):
@@ -325,6 +325,11 @@ def measured(steps: int, rounds: int) -> list[dict]:
                 prepared = prepare(cfg)
                 metrics = run_training(cfg, prepared).metrics
                 plan = prepared.plan
+                devices = sorted(metrics["devices"], key=lambda d: d["rank"])
+                if [d["gpu_type"] for d in devices] != [r.gpu_type for r in plan.roles]:
+                    raise SystemExit(f"ranks {[d['gpu_type'] for d in devices]} are not the plan's roles in order")
+                # Each device's compute over what the plan gave it: how far the slowest ran behind the others.
+                behind = [pa.device_record(d)["busy_s"] / r.predicted_compute_s for d, r in zip(devices, plan.roles)]
                 records.append(
                     {
                         "round": round_,
@@ -336,7 +341,9 @@ def measured(steps: int, rounds: int) -> list[dict]:
                         "predicted_comm_s": plan.predicted_comm_s,
                         "measured_step_s": metrics["step_s"],
                         "predicted_over_measured": plan.predicted_step_s / metrics["step_s"],
-                        "devices": [pa.device_record(d) for d in metrics["devices"]],
+                        "straggler_priced": profiled_speeds(cfg, prepared.catalog).straggler - 1,
+                        "slowest_over_mean": max(behind) / statistics.fmean(behind) - 1,
+                        "devices": [pa.device_record(d) for d in devices],
                     }
                 )
     return records
@@ -351,6 +358,19 @@ def by_stage(runs: list[dict]) -> dict:
         median = statistics.median(ratios)
         out[f"zero{stage}"] = {"runs": ratios, "median": median, "target_met": 0.90 <= median <= 1.10}
     return out
+
+
+def stragglers(runs: list[dict]) -> dict:
+    """What the plans priced for the slowest of the four devices (from each round's profiled repeats) beside how
+    far the slowest ran behind the mean in the runs without ZeRO, which meet once a step (at ZeRO-2 and 3 the
+    ranks wait for each other inside the pass, so their compute comes out alike): medians over the rounds."""
+    zero0 = [r for r in runs if r["zero_stage"] == 0]
+    return {
+        "priced": statistics.median(r["straggler_priced"] for r in zero0),
+        "measured_zero0": statistics.median(r["slowest_over_mean"] for r in zero0),
+        "measured_is": "the slowest device's compute over the four's mean, each over its planned compute, per run "
+        "(means over steps, so a device slower all run long shows, one slower now and then less)",
+    }
 
 
 def fresh_process(fn: Callable, *args):
@@ -385,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         out["predicted_over_measured"] = {
             "kind": "emulated, throttled (CPU slices, profiled at the start of every round; a named 1 Gbit/s link)",
             "by_stage": by_stage(runs),
+            "stragglers": stragglers(runs),
             "runs": runs,
         }
     # The largest GPT an A100-80GB holds whole, and the largest ZeRO-3 trains on the two-type mix (none whole).
