@@ -215,7 +215,7 @@ def plan_for(
     if speeds is not None and speeds.straggler > 1:
         why = (
             f"times priced at the slowest of {len(types)} workers: {speeds.straggler - 1:.1%} over one worker's "
-            "profiled step, by how much its steps varied"
+            "profiled step, from how much the profile's repeats varied"
         )
         plan = replace(plan, explanation=f"{plan.explanation}; {why}")
     return check_plan(plan, footprint, cfg)
