@@ -309,11 +309,14 @@ def measured(steps: int, rounds: int) -> list[dict]:
     2, 3, 0; ...), so no stage always runs first or last."""
     records = []
     with pa.profiled_cluster(steps) as profile:
+        from hetero_ray.cluster.catalog import load_catalog
         from hetero_ray.train.prepare import prepare, profiled_speeds
         from hetero_ray.train.trainer import run_training
 
         for round_ in range(rounds):
             profiled = profile()
+            # The round's profile prices the slowest of the four alike at every stage.
+            straggler = profiled_speeds(profiled, load_catalog(profiled.gpus_file)).straggler - 1
             for i in range(len(STAGES)):
                 stage = STAGES[(round_ + i) % len(STAGES)]
                 cfg = profiled.model_copy(
@@ -325,11 +328,11 @@ def measured(steps: int, rounds: int) -> list[dict]:
                 prepared = prepare(cfg)
                 metrics = run_training(cfg, prepared).metrics
                 plan = prepared.plan
-                devices = sorted(metrics["devices"], key=lambda d: d["rank"])
+                devices = [pa.device_record(d) for d in sorted(metrics["devices"], key=lambda d: d["rank"])]
                 if [d["gpu_type"] for d in devices] != [r.gpu_type for r in plan.roles]:
                     raise SystemExit(f"ranks {[d['gpu_type'] for d in devices]} are not the plan's roles in order")
                 # Each device's compute over what the plan gave it: how far the slowest ran behind the others.
-                behind = [pa.device_record(d)["busy_s"] / r.predicted_compute_s for d, r in zip(devices, plan.roles)]
+                behind = [d["busy_s"] / r.predicted_compute_s for d, r in zip(devices, plan.roles)]
                 records.append(
                     {
                         "round": round_,
@@ -341,9 +344,9 @@ def measured(steps: int, rounds: int) -> list[dict]:
                         "predicted_comm_s": plan.predicted_comm_s,
                         "measured_step_s": metrics["step_s"],
                         "predicted_over_measured": plan.predicted_step_s / metrics["step_s"],
-                        "straggler_priced": profiled_speeds(cfg, prepared.catalog).straggler - 1,
+                        "straggler_priced": straggler,
                         "slowest_over_mean": max(behind) / statistics.fmean(behind) - 1,
-                        "devices": [pa.device_record(d) for d in devices],
+                        "devices": devices,
                     }
                 )
     return records
