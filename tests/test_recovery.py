@@ -13,8 +13,10 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 from cluster_jobs import (
     STEPS,
@@ -47,20 +49,34 @@ def recovery_config(storage: Path, name: str, **train) -> dict:
 
 
 def wait_for_checkpoint(
-    cluster: EmulatedCluster, job_id: str, run_dir: Path, seen: frozenset[Path] = frozenset()
+    cluster: EmulatedCluster,
+    job_id: str,
+    run_dir: Path,
+    seen: frozenset[Path] = frozenset(),
+    accept: Callable[[dict], bool] = lambda state: True,
 ) -> tuple[int, dict]:
-    """Block until the run has a complete checkpoint not in ``seen`` (Ray's copy into storage is not atomic);
-    return its step and its loop state."""
+    """Block until the run has a complete checkpoint not in ``seen`` (Ray's copy into storage is not atomic) whose
+    loop state ``accept`` takes; return its step and its loop state."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         for d in reversed([d for d in checkpoint_dirs(run_dir) if d not in seen]):
             try:
-                return verify(d).step, json.loads((d / STATE_FILE).read_text())
+                step, state = verify(d).step, json.loads((d / STATE_FILE).read_text())
             except CorruptCheckpoint:
                 continue  # still being copied
+            if accept(state):
+                return step, state
         assert job_status(cluster, job_id) in ("PENDING", "RUNNING"), ray_cli(cluster, "job", "logs", job_id)[-3000:]
         time.sleep(0.5)
     raise TimeoutError(f"no checkpoint in {run_dir}")
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a killed worker whose parent died may linger as a zombie)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_killed_worker_restarts_from_its_checkpoint(cluster, tmp_path, reference):
@@ -144,19 +160,32 @@ def test_a_lost_node_is_replanned_around_and_the_run_grows_back_when_it_returns(
     cfg = recovery_config(tmp_path / "runs", "grow", steps=steps, min_workers=1, resize_check_s=2)
     run_dir = tmp_path / "runs" / "grow"
     job_id, out = submit(cluster, tmp_path, cfg)
-    saved, _ = wait_for_checkpoint(cluster, job_id, run_dir)
-    cluster.kill_node("A100-80GB")
     try:
-        # A checkpoint that appears after the loss is the V100s' own: its plan is theirs.
-        degraded_step, degraded = wait_for_checkpoint(
-            cluster, job_id, run_dir, seen=frozenset(checkpoint_dirs(run_dir))
-        )
+        saved, _ = wait_for_checkpoint(cluster, job_id, run_dir)
+        workers = train_worker_pids(cluster)
+        cluster.kill_node("A100-80GB")
+        # A lost machine takes its workers with it at once: at most the V100s' two are left.
+        assert len([pid for pid in workers if running(pid)]) <= 2
+        try:
+            # The first checkpoint after the loss may still be the four devices' (one their last step was
+            # persisting when the node went); the run must then go on to checkpoint on a plan of the V100s alone.
+            degraded_step, degraded = wait_for_checkpoint(
+                cluster,
+                job_id,
+                run_dir,
+                seen=frozenset(checkpoint_dirs(run_dir)),
+                accept=lambda state: all(r["gpu_type"] != "A100-80GB" for r in state["plan"]["roles"]),
+            )
+        finally:
+            cluster.add_node("A100-80GB", 2)
+        assert degraded_step > saved
+        assert sorted(r["gpu_type"] for r in degraded["plan"]["roles"]) == ["V100-16GB", "V100-16GB"]
+        assert sum(r["local_batch"] for r in degraded["plan"]["roles"]) == cfg["train"]["global_batch"]
+        assert wait_for(cluster, job_id, timeout=400) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
     finally:
-        cluster.add_node("A100-80GB", 2)
-    assert degraded_step > saved
-    assert sorted(r["gpu_type"] for r in degraded["plan"]["roles"]) == ["V100-16GB", "V100-16GB"]
-    assert sum(r["local_batch"] for r in degraded["plan"]["roles"]) == cfg["train"]["global_batch"]
-    assert wait_for(cluster, job_id, timeout=400) == "SUCCEEDED", ray_cli(cluster, "job", "logs", job_id)[-3000:]
+        # A run left going would hold the returned A100s from the tests after this one on the session's cluster.
+        if job_status(cluster, job_id) in ("PENDING", "RUNNING"):
+            ray_cli(cluster, "job", "stop", job_id)
     result = json.loads(out.read_text())
     m = result["metrics"]
     assert sorted(d["gpu_type"] for d in m["devices"]) == ["A100-80GB"] * 2 + ["V100-16GB"] * 2

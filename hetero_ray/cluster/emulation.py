@@ -15,6 +15,7 @@ stops, also on an error, SIGINT or SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -30,6 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from hetero_ray.cluster.cpu_slices import CLAIMS_ENV, SLICES_ENV, CpuSlices, check_shares
 
@@ -228,7 +231,13 @@ class EmulatedCluster:
         """Kill the first live node of ``gpu_type`` at once (raylet and its workers), as a lost machine."""
         for i, (t, proc) in enumerate(self._nodes):
             if t == gpu_type and proc.poll() is None:
+                # The raylet starts each worker in a process group of its own, so killing the node's group
+                # alone leaves its workers training until they notice their raylet is gone.
+                workers = psutil.Process(proc.pid).children(recursive=True)
                 os.killpg(proc.pid, signal.SIGKILL)
+                for worker in workers:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        worker.kill()
                 proc.wait()
                 self._procs.remove(proc)
                 del self._nodes[i]
