@@ -80,8 +80,9 @@ def main() -> None:
     # Ray reads its authentication mode once, at import: the token must be set before `import ray`.
     os.environ.update(cluster.env)
     import ray
-    from ray.util.queue import Empty, Queue
+    from ray.util.queue import Empty
 
+    from hetero_ray.local_queue import local_queue
     from hetero_ray.train.prepare import prepare
     from hetero_ray.train.trainer import run_training
 
@@ -91,7 +92,7 @@ def main() -> None:
     with cluster:
         ray.init(address=cluster.address, log_to_driver=False)
         try:
-            queue = Queue(actor_options={"num_cpus": 0})
+            queue = local_queue()
             thread = threading.Thread(target=run_training, args=(cfg, prepared), kwargs={"progress": queue})
             thread.start()
             while thread.is_alive() or not queue.empty():

@@ -50,14 +50,15 @@ def config(name: str, steps: int, checkpoint_every: int, **train) -> dict:
 
 def run_with_failure(cluster: EmulatedCluster, cfg: dict, fail_after_step: int, fail) -> dict:
     """Train ``cfg``; once a report past ``fail_after_step`` arrives, call ``fail()``; time the recovery."""
-    from ray.util.queue import Empty, Queue
+    from ray.util.queue import Empty
 
+    from hetero_ray.local_queue import local_queue
     from hetero_ray.train.prepare import prepare
     from hetero_ray.train.trainer import run_training
 
     run_cfg = parse_config(cfg)
     prepared = prepare(run_cfg)
-    queue = Queue(actor_options={"num_cpus": 0})
+    queue = local_queue()
     outcome: dict = {}
     thread = threading.Thread(target=lambda: outcome.update(result=run_training(run_cfg, prepared, progress=queue)))
     thread.start()

@@ -219,12 +219,13 @@ def _demo_config(args: argparse.Namespace, console: Console) -> RunConfig:
 
 def _train_with_progress(cfg: RunConfig, prepared, console: Console, label: str):
     """``run_training`` in a thread, with a live progress bar fed by rank 0's reports."""
-    from ray.util.queue import Empty, Queue
+    from ray.util.queue import Empty
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from hetero_ray.local_queue import local_queue
     from hetero_ray.train.trainer import run_training
 
-    queue = Queue(actor_options={"num_cpus": 0})
+    queue = local_queue()
     outcome: dict[str, Any] = {}
 
     def fit() -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -148,6 +150,30 @@ def test_throttled_device_is_rebalanced_within_three_resplits(cluster, tmp_path)
     throttled, other = [d for d in m["devices"] if d["gpu_type"] == "V100-16GB"]
     assert throttled["local_batch"] < other["local_batch"], m["devices"]
     assert sum(d["local_batch"] for d in m["devices"]) == cfg["train"]["global_batch"]
+
+
+QUEUE_NODES = """
+import json, ray
+from ray.util.state import list_actors
+from hetero_ray.local_queue import local_queue
+
+ray.init()
+queues = [local_queue() for _ in range(8)]
+ray.get([q.actor.qsize.remote() for q in queues])
+held = {a["node_id"] for a in list_actors(filters=[("class_name", "=", "_QueueActor")], detail=True)}
+print(json.dumps({"driver": ray.get_runtime_context().get_node_id(), "queues": sorted(held)}))
+"""
+
+
+def test_progress_queues_live_on_the_readers_node(cluster):
+    """The queues a run reports its progress on are held on the reader's own node, so losing another node (as the
+    next test does) cannot take them away; Ray alone places an actor that asks for no CPU on any node."""
+    done = subprocess.run(
+        [sys.executable, "-c", QUEUE_NODES], env=cluster.env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    nodes = json.loads(done.stdout.splitlines()[-1])
+    assert nodes["queues"] == [nodes["driver"]]
 
 
 def test_a_lost_node_is_replanned_around_and_the_run_grows_back_when_it_returns(cluster, tmp_path):

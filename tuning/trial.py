@@ -89,12 +89,13 @@ def run_trial(params: dict[str, Any], *, base: dict[str, Any], reference: str, d
     the Train controller and workers it owns).
     """
     from ray import tune
-    from ray.util.queue import Empty, Queue
+    from ray.util.queue import Empty
 
+    from hetero_ray.local_queue import local_queue
     from hetero_ray.train.trainer import run_training
 
     cfg = trial_config(RunConfig.model_validate(base), params, reference, dilation)
-    queue = Queue(actor_options={"num_cpus": 0})
+    queue = local_queue()
     outcome: dict[str, Any] = {}
 
     def fit() -> None:

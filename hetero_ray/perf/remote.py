@@ -103,7 +103,9 @@ def profile_cluster(
     ``flops_per_sample`` and ``efficiency`` price emulated devices.
     ``on_progress(device, done, total)`` is called as steps finish (``device``: a label from ``device_labels``).
     """
-    from ray.util.queue import Empty, Queue
+    from ray.util.queue import Empty
+
+    from hetero_ray.local_queue import local_queue
 
     types = dict(gpu_types if gpu_types is not None else cluster_gpu_types())
     if not types:
@@ -111,10 +113,10 @@ def profile_cluster(
             f"the cluster has no alive node labelled {GPU_TYPE_LABEL}; start GPU nodes with "
             f"--labels {GPU_TYPE_LABEL}=<catalog name> (cluster.yaml does)"
         )
-    queue = Queue(actor_options={"num_cpus": 0})
+    queue = local_queue()
     # Set once every device has run its last timed step: until then the early ones keep the host as busy as
     # training will.
-    stop = Queue(actor_options={"num_cpus": 0})
+    stop = local_queue()
     payload = {
         "workload": workload,
         "options": dict(options),
