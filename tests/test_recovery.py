@@ -154,13 +154,13 @@ def test_throttled_device_is_rebalanced_within_three_resplits(cluster, tmp_path)
 
 QUEUE_NODES = """
 import json, ray
-from ray.util.state import list_actors
+from ray.util.state import get_actor
 from hetero_ray.local_queue import local_queue
 
 ray.init()
 queues = [local_queue() for _ in range(8)]
 ray.get([q.actor.qsize.remote() for q in queues])
-held = {a["node_id"] for a in list_actors(filters=[("class_name", "=", "_QueueActor")], detail=True)}
+held = {get_actor(q.actor._actor_id.hex()).node_id for q in queues}
 print(json.dumps({"driver": ray.get_runtime_context().get_node_id(), "queues": sorted(held)}))
 """
 
