@@ -190,9 +190,9 @@ def test_a_lost_node_is_replanned_around_and_the_run_grows_back_when_it_returns(
         saved, _ = wait_for_checkpoint(cluster, job_id, run_dir)
         workers = train_worker_pids(cluster)
         cluster.kill_node("A100-80GB")
-        # A lost machine takes its workers with it at once: at most the V100s' two are left.
-        assert len([pid for pid in workers if running(pid)]) <= 2
         try:
+            # A lost machine takes its workers with it at once: at most the V100s' two are left.
+            assert len([pid for pid in workers if running(pid)]) <= 2
             # The first checkpoint after the loss may still be the four devices' (one their last step was
             # persisting when the node went); the run must then go on to checkpoint on a plan of the V100s alone.
             degraded_step, degraded = wait_for_checkpoint(

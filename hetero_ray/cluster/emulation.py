@@ -74,6 +74,20 @@ def node_layout(devices: Mapping[str, int], gpus_per_node: int) -> list[tuple[st
     return nodes
 
 
+def _wait_until_dead(processes: list[psutil.Process], timeout_s: float = 10) -> None:
+    """Return once every one of ``processes`` has exited (a killed process takes a moment to), or after
+    ``timeout_s``. One whose parent died first stays a zombie until something reaps it: that counts as exited."""
+    deadline = time.monotonic() + timeout_s
+    for p in processes:
+        while time.monotonic() < deadline:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
+
+
 @dataclass
 class EmulatedCluster:
     """Start with ``with EmulatedCluster({...}) as cluster:``; ``cluster.env`` is what clients need."""
@@ -238,6 +252,7 @@ class EmulatedCluster:
                 for worker in workers:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         worker.kill()
+                _wait_until_dead(workers)
                 proc.wait()
                 self._procs.remove(proc)
                 del self._nodes[i]
