@@ -77,7 +77,7 @@ def node_layout(devices: Mapping[str, int], gpus_per_node: int) -> list[tuple[st
 def _wait_until_dead(processes: list[psutil.Process], timeout_s: float = 10) -> None:
     """Return once every one of ``processes`` has exited (a killed process takes a moment to), or after
     ``timeout_s``. One whose parent died first stays a zombie until something reaps it: that counts as exited.
-    ``psutil.wait_procs`` does not do: for a process that is not this one's child it waits until the pid is gone,
+    Not ``psutil.wait_procs``: for a process that is not this one's child it waits until the pid is gone,
     so an unreaped zombie would hold every kill for the whole timeout."""
     deadline = time.monotonic() + timeout_s
     for p in processes:
