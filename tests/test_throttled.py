@@ -29,7 +29,7 @@ from cluster_jobs import (
 )
 
 from hetero_ray.cluster.catalog import load_catalog
-from hetero_ray.cluster.cpu_slices import RESERVED_CORES, check_shares
+from hetero_ray.cluster.cpu_slices import COMM_THREAD_PREFIXES, RESERVED_CORES, check_shares
 from hetero_ray.cluster.emulation import EmulatedCluster
 from hetero_ray.config import ConfigError, parse_config
 from hetero_ray.perf import history
@@ -103,7 +103,7 @@ COMM_THREADS = textwrap.dedent(
             name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
             group = next(line for line in Path(f"/proc/self/task/{tid}/cgroup").read_text().splitlines()
                          if ":cpu," in line or ":cpu:" in line)
-            out.setdefault(group.rsplit("/", 1)[-1], []).append(name)
+            out.setdefault(group.rsplit("/", 1)[-1], []).append([int(tid), name])
         return out
 
     @ray.remote(num_cpus=1, resources={EMULATED_RESOURCE: 1})
@@ -141,14 +141,25 @@ def test_communication_threads_leave_the_slice(cluster):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.splitlines()[-1])
-    gloo = [n for n in got["before"][got["slice"]] if n.startswith(("gloo", "pt_gloo"))]
+    where = got["slice"]
+
+    def named(group: str, *prefixes: str) -> set[int]:
+        return {tid for tid, name in got[group].get(where, []) if name.startswith(prefixes)}
+
+    def tids(group: str, cgroup: str) -> set[int]:
+        return {tid for tid, _ in got[group].get(cgroup, [])}
+
+    # By thread id, not name: a thread takes its name only once it runs, so one started just before a call can
+    # be named by the next look without having borne the name when it was freed. The loop frees again after its
+    # first step for that reason; what a call must do is move every thread named as communication when it runs.
+    gloo = named("before", "gloo", "pt_gloo")
     assert gloo and got["moved"] >= len(gloo), got
-    assert not [n for n in got["after"].get(got["slice"], []) if n.startswith(("gloo", "pt_gloo", "pt_tcpstore"))]
-    assert sorted(n for n in got["after"][got["base"]] if n.startswith(("gloo", "pt_gloo"))) == sorted(gloo), got
-    assert got["after"][got["slice"]], got  # the compute (the main thread among them) stays throttled
-    started_late = [n for n in got["lazy"][got["slice"]] if n.startswith(("gloo", "pt_gloo"))]
+    assert not named("before", *COMM_THREAD_PREFIXES) & tids("after", where), got
+    assert gloo <= tids("after", got["base"]), got
+    assert tids("after", where), got  # the compute (the main thread among them) stays throttled
+    started_late = named("lazy", "gloo", "pt_gloo")
     assert started_late and got["moved_late"] >= len(started_late), got
-    assert not [n for n in got["late"][got["slice"]] if n.startswith(("gloo", "pt_gloo", "pt_tcpstore"))], got
+    assert not named("lazy", *COMM_THREAD_PREFIXES) & tids("late", where), got
 
 
 # The reference: each device runs plain training steps for two seconds on its slice, both at once, as the
