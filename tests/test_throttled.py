@@ -143,23 +143,20 @@ def test_communication_threads_leave_the_slice(cluster):
     got = json.loads(done.stdout.splitlines()[-1])
     where = got["slice"]
 
-    def named(group: str, *prefixes: str) -> set[int]:
-        return {tid for tid, name in got[group].get(where, []) if name.startswith(prefixes)}
-
-    def tids(group: str, cgroup: str) -> set[int]:
-        return {tid for tid, _ in got[group].get(cgroup, [])}
+    def tids(look: str, cgroup: str, prefixes: tuple[str, ...] = ("",)) -> set[int]:
+        return {tid for tid, name in got[look].get(cgroup, []) if name.startswith(prefixes)}
 
     # By thread id, not name: a thread takes its name only once it runs, so one started just before a call can
     # be named by the next look without having borne the name when it was freed. The loop frees again after its
     # first step for that reason; what a call must do is move every thread named as communication when it runs.
-    gloo = named("before", "gloo", "pt_gloo")
+    gloo = tids("before", where, ("gloo", "pt_gloo"))
     assert gloo and got["moved"] >= len(gloo), got
-    assert not named("before", *COMM_THREAD_PREFIXES) & tids("after", where), got
-    assert gloo <= tids("after", got["base"]), got
+    assert not tids("before", where, COMM_THREAD_PREFIXES) & tids("after", where), got
+    assert tids("after", got["base"], ("gloo", "pt_gloo")) == gloo, got
     assert tids("after", where), got  # the compute (the main thread among them) stays throttled
-    started_late = named("lazy", "gloo", "pt_gloo")
+    started_late = tids("lazy", where, ("gloo", "pt_gloo"))
     assert started_late and got["moved_late"] >= len(started_late), got
-    assert not named("lazy", *COMM_THREAD_PREFIXES) & tids("late", where), got
+    assert not tids("lazy", where, COMM_THREAD_PREFIXES) & tids("late", where), got
 
 
 # The reference: each device runs plain training steps for two seconds on its slice, both at once, as the
