@@ -312,7 +312,7 @@ def main() -> int:
             "orders was added after a smoke run (3 jobs) showed open_ledger's order putting the V100s first",
             "the default policy's inference rule changed after two full runs (gain 0.101 and 0.096, target not met), "
             "in which routed inference took idle A100s and kept training jobs waiting: inference now prefers the "
-            "slowest idle types (falling back to any); this run is the first with it",
+            "slowest idle types (falling back to any); every recorded run since has it",
         ],
         "cluster_start_s": cluster_s,
         "load_average_1m_at_end": os.getloadavg()[0],
