@@ -5,8 +5,10 @@ takes the mean of the two as Ray's default. This measures what Ray itself does i
 layout (2 × A100-80GB + 4 × V100-16GB, two devices per node, as bench/job_mix.py starts it) it creates the
 placement group Ray Train makes for a job of N workers (N bundles of ``{"CPU": 1, "emulated_gpu": 1}``,
 strategy PACK, no label selector) in states the job mix passes through, holding other devices with placement
-groups pinned to a type by label (one per holding job, packed as its workers would be), and records which types the bundles got. Node ids are random per cluster
-start, and Ray breaks ties between equally free nodes by them, so the cluster is started ``--starts`` times.
+groups pinned to a type by label (one per holding job, packed as its workers would be), and records which types
+the bundles got. Ray scores nodes by what they would have left free, so the A100 pair and a free V100 pair often
+score alike; node ids, which may break such ties, are random per cluster start, so the cluster is started
+``--starts`` times.
 
 Prints JSON (emulated, mode padded: placement only, nothing runs on the devices), also written to
 docs/measurements/ray-placement.json. ``a100_while_v100s_free``: the share of placements in states where the
