@@ -211,6 +211,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the three runs, each reversing the last")
     parser.add_argument("--json", default=str(MEASUREMENTS / "job-mix-throttled.json"))
     args = parser.parse_args()
+    for flag, value in (("--jobs", args.jobs), ("--repeats", args.repeats), ("--scale", args.scale)):
+        if not value > 0:
+            parser.error(f"{flag}: {value} runs nothing; give a number above 0")
     started = time.monotonic()
     stream = job_stream(args.seed, args.jobs, args.scale)
     tmp = Path(tempfile.mkdtemp(prefix="hetero-ray-job-mix-"))

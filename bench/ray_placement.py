@@ -118,6 +118,9 @@ def main() -> int:
     parser.add_argument("--json", default=str(REPO / "docs" / "measurements" / "ray-placement.json"))
     parser.add_argument("--one-start", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    for flag, value in (("--starts", args.starts), ("--trials", args.trials)):
+        if value < 1:
+            parser.error(f"{flag}: {value} is not a count of runs; give 1 or more")
     if args.one_start:
         print(json.dumps(one_start(args.trials)))
         return 0
