@@ -34,7 +34,7 @@ from pathlib import Path
 import yaml
 
 from hetero_ray.cluster.emulation import start_retrying
-from hetero_ray.output import write_json
+from hetero_ray.output import report_json
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICES = {"A100-80GB": 2, "V100-16GB": 4}
@@ -321,8 +321,7 @@ def main() -> int:
         "load_average_1m_at_end": os.getloadavg()[0],
         "seconds": time.monotonic() - started,
     }
-    print(json.dumps(result, indent=2))
-    write_json(args.json, result, force=True)  # a measurement replaces the last one
+    report_json(args.json, result)
     return 0
 
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from hetero_ray.cluster.emulation import EMULATED_RESOURCE, GPU_TYPE_LABEL, start_retrying
-from hetero_ray.output import write_json
+from hetero_ray.output import report_json
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICES = {"A100-80GB": 2, "V100-16GB": 4}
@@ -133,7 +133,7 @@ def main() -> int:
             capture_output=True,
             text=True,
         ).stdout
-        rows += [{**r, "held": r["held"], "got": tuple(r["got"]), "start": start} for r in json.loads(out)]
+        rows += [{**r, "got": tuple(r["got"]), "start": start} for r in json.loads(out)]
     import ray
 
     result = {
@@ -150,8 +150,7 @@ def main() -> int:
         "rows": rows,
         "seconds": time.monotonic() - started,
     }
-    print(json.dumps(result, indent=2))
-    write_json(args.json, result, force=True)  # a measurement replaces the last one
+    report_json(args.json, result)
     return 0
 
 

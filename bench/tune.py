@@ -30,7 +30,6 @@ Usage: python bench/tune.py [--mode throttled|padded] [--grid-points 9] [--trial
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -42,7 +41,7 @@ from rich.console import Console
 
 from hetero_ray.cluster.emulation import start_retrying
 from hetero_ray.config import parse_config
-from hetero_ray.output import write_json
+from hetero_ray.output import report_json
 from hetero_ray.strict_yaml import load_yaml
 
 DEVICES = {"A100-80GB": 2, "V100-16GB": 4}
@@ -198,9 +197,7 @@ def main() -> int:
         "load_average_1m_at_end": os.getloadavg()[0],
         "seconds": time.monotonic() - started,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    write_json(args.json, result, force=True)  # a measurement replaces the last one
+    report_json(args.json, result)
     return 0
 
 
@@ -239,8 +236,7 @@ def precision_bench(args, raw: dict, settings, throttled: bool, started: float) 
         "sweep_files": {"csv": str(sweep.csv), "plot": str(sweep.plot), "best_config": str(sweep.best_config)},
         "seconds": time.monotonic() - started,
     }
-    print(json.dumps(result, indent=2))
-    write_json(args.json, result, force=True)
+    report_json(args.json, result)
     return 0
 
 

@@ -64,6 +64,12 @@ def write_json(path: str | os.PathLike[str], data: Any, *, force: bool = False) 
     write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
 
 
+def report_json(path: str | os.PathLike[str], data: Any) -> None:
+    """A benchmark's figures: printed as JSON on stdout and written to ``path``, replacing the last measurement."""
+    print(json.dumps(data, indent=2))
+    write_json(path, data, force=True)
+
+
 def write_json_uri(uri: str, name: str, data: Any) -> str:
     """Write ``data`` as JSON to ``name`` in the folder ``uri`` (a URI pyarrow's filesystems read, query
     included, e.g. ``s3://bucket/runs/run?endpoint_override=…``); the path written."""
