@@ -127,13 +127,16 @@ def main() -> int:
     started = time.monotonic()
     rows = []
     for start in range(args.starts):
-        out = subprocess.run(
-            [sys.executable, __file__, "--one-start", "--trials", str(args.trials)],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        rows += [{**r, "got": tuple(r["got"]), "start": start} for r in json.loads(out)]
+        # Its stderr (the cluster's start, any error) passes through; stdout is its rows.
+        done = subprocess.run(
+            [sys.executable, __file__, "--one-start", "--trials", str(args.trials)], stdout=subprocess.PIPE, text=True
+        )
+        if done.returncode:
+            print(
+                f"ray_placement: cluster start {start + 1} failed (exit {done.returncode}); see above", file=sys.stderr
+            )
+            return 1
+        rows += [{**r, "got": tuple(r["got"]), "start": start} for r in json.loads(done.stdout)]
     import ray
 
     result = {
