@@ -99,7 +99,8 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def one_start(trials: int) -> list[dict]:
-    """Start the cluster, probe every state, stop it; in a process of its own (Ray keeps the first cluster's token)."""
+    """Start the cluster, probe every state, stop it; in a process of its own (a process that has been connected to
+    one emulated cluster fails to connect to the next: ``ConnectionError``)."""
     cluster = start_retrying(DEVICES, on_retry=lambda line: print(line, file=sys.stderr))
     os.environ.update(cluster.env)  # before `import ray`: Ray reads its auth mode at import
     import ray
