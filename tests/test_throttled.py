@@ -149,12 +149,13 @@ def test_communication_threads_leave_the_slice(cluster):
     # By thread id, not name: a thread takes its name only once it runs, so one started just before a call can
     # be named by the next look without having borne the name when it was freed. The loop frees again after its
     # first step for that reason; what a call must do is move every thread named as communication when it runs.
-    gloo = tids("before", where, ("gloo", "pt_gloo"))
+    gloo_names = ("gloo", "pt_gloo")
+    gloo = tids("before", where, gloo_names)
     assert gloo and got["moved"] >= len(gloo), got
     assert not tids("before", where, COMM_THREAD_PREFIXES) & tids("after", where), got
-    assert tids("after", got["base"], ("gloo", "pt_gloo")) == gloo, got
+    assert tids("after", got["base"], gloo_names) == gloo, got
     assert tids("after", where), got  # the compute (the main thread among them) stays throttled
-    started_late = tids("lazy", where, ("gloo", "pt_gloo"))
+    started_late = tids("lazy", where, gloo_names)
     assert started_late and got["moved_late"] >= len(started_late), got
     assert not tids("lazy", where, COMM_THREAD_PREFIXES) & tids("late", where), got
 
