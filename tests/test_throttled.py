@@ -391,6 +391,44 @@ def test_cgroups_and_raylets_are_gone_after_the_cluster_stops(how):
     assert _raylets_of(workdir) == []
 
 
+class _NodeStartFails(EmulatedCluster):
+    """The first ``failing`` starts of its V100 node exit 1 at once (an invalid label; click keeps an option's last
+    value), as a `ray start` that misses Ray's 30 s registration deadline on a loaded host does after those 30 s."""
+
+    failing = 1
+
+    def _ray_start(self, *args, log, env=None):
+        if log.startswith("node0-V100-16GB") and self.failing:
+            self.failing -= 1
+            args = (*args, "--labels=hetero-ray/gpu-type=not a label")
+        return super()._ray_start(*args, log=log, env=env)
+
+
+def test_a_node_whose_ray_start_fails_is_started_again():
+    """The node is started again in the same cluster (same address and token), its slice kept, each try logged."""
+    with _NodeStartFails({"V100-16GB": 1}, gpus_per_node=1, cpu_share={"V100-16GB": 0.3}) as c:
+        assert "not a valid string of key-value pairs" in (c.workdir / "node0-V100-16GB.log").read_text()
+        assert (c.workdir / "node0-V100-16GB-try2.log").exists()
+        nodes = c.api("/api/v0/nodes?detail=true&limit=100")["data"]["result"]["result"]
+        alive = sorted(n["labels"].get("hetero-ray/gpu-type", "head") for n in nodes if n["state"] == "ALIVE")
+        assert alive == ["V100-16GB", "head"], nodes
+        assert len(_raylets_of(str(c.workdir))) == 2 and len(c.metrics_ports) == 2 and len(c.cgroups) == 1
+
+
+def test_a_node_that_fails_every_try_stops_the_cluster_and_names_its_logs():
+    cluster = _NodeStartFails({"V100-16GB": 1}, gpus_per_node=1, cpu_share={"V100-16GB": 0.3})
+    cluster.failing = 3
+    with pytest.raises(RuntimeError, match=rf"a `ray start` exited with code 1 \(logs: {cluster.workdir}\)"):
+        with cluster:
+            pass
+    assert [p.name for p in sorted(cluster.workdir.glob("node0-*.log"))] == [
+        "node0-V100-16GB-try2.log",
+        "node0-V100-16GB-try3.log",
+        "node0-V100-16GB.log",
+    ]
+    assert _raylets_of(str(cluster.workdir)) == [] and cluster.cgroups == []
+
+
 def test_shares_must_fit_the_machine():
     cores = os.cpu_count()
     with pytest.raises(ValueError, match="add up to"):

@@ -214,25 +214,50 @@ class EmulatedCluster:
         self._wait_for_job_agent(timeout_s)
         return self
 
-    def add_node(self, gpu_type: str, count: int, timeout_s: float = 120) -> None:
-        """Start one more emulated node of ``count`` × ``gpu_type`` and wait until it has joined."""
+    def add_node(self, gpu_type: str, count: int, timeout_s: float = 120, attempts: int = 3) -> None:
+        """Start one more emulated node of ``count`` × ``gpu_type`` and wait until it has joined.
+
+        On a loaded two-core host a raylet can miss Ray's fixed 30 s registration deadline, and its `ray start`
+        exits 1 ("The current node timed out during startup"); that node is started again, up to ``attempts``
+        times, each try with its own log. The cluster's address, token and other nodes stay as they are, so
+        clients already given ``env`` keep working, which a whole fresh cluster (``start_retrying``) cannot do."""
         name = f"node{len(self._nodes)}-{gpu_type}"
         env = {}
         if self._slices is not None:
             self._slice_types += [(gpu_type, f"{name}-{i}") for i in range(count)]
             slices = [self._slices.add(f"{name}-{i}", self.cpu_share[gpu_type]) for i in range(count)]
             env = {SLICES_ENV: ":".join(map(str, slices)), CLAIMS_ENV: str(self.workdir / "claims")}
-        proc = self._ray_start(
-            f"--address={self.address}",
-            f"--num-cpus={count}",
-            f"--object-store-memory={self.object_store_bytes}",
-            f'--resources={{"{EMULATED_RESOURCE}": {count}}}',
-            f"--labels={GPU_TYPE_LABEL}={gpu_type},{EMULATED_LABEL}=true",
-            log=name,
-            env=env,
-        )
-        self._nodes.append((gpu_type, proc))
-        self._wait_for_nodes(1 + len(self._nodes), timeout_s)
+        joined = 2 + len(self._nodes)  # the head, the nodes so far and this one
+        for attempt in range(1, attempts + 1):
+            proc = self._ray_start(
+                f"--address={self.address}",
+                f"--num-cpus={count}",
+                f"--object-store-memory={self.object_store_bytes}",
+                f'--resources={{"{EMULATED_RESOURCE}": {count}}}',
+                f"--labels={GPU_TYPE_LABEL}={gpu_type},{EMULATED_LABEL}=true",
+                log=name if attempt == 1 else f"{name}-try{attempt}",
+                env=env,
+            )
+            try:
+                self._wait_for_nodes(joined, timeout_s)
+            except RuntimeError:
+                if proc.poll() is None or attempt == attempts:
+                    raise  # another process died, or this node failed every try
+                self._drop_last(proc)
+                # A raylet that registered late stays alive in the GCS until its health checks fail: wait for
+                # that, or it would count as the next try's node.
+                self._wait_for_nodes(joined - 1, timeout_s, exactly=True)
+                continue
+            self._nodes.append((gpu_type, proc))
+            return
+
+    def _drop_last(self, proc: subprocess.Popen) -> None:
+        """Forget ``proc``, the last `ray start` begun, which exited, after killing what it left in its process
+        group (a raylet)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        self._procs.remove(proc)
+        self.metrics_ports.pop()
 
     def set_cpu_share(self, gpu_type: str, index: int, share: float) -> None:
         """Throttled devices: give the ``index``-th device of ``gpu_type`` (in node order) ``share`` of a core."""
@@ -312,13 +337,20 @@ class EmulatedCluster:
 
         self._poll(listening, timeout_s, f"emulated Ray head did not open port {port}")
 
-    def _wait_for_nodes(self, n: int, timeout_s: float) -> None:
+    def _wait_for_nodes(self, n: int, timeout_s: float, exactly: bool = False) -> None:
+        """Until at least ``n`` nodes (``exactly`` ``n``) are alive."""
         alive = "/api/v0/nodes?filter_keys=state&filter_predicates=%3D&filter_values=ALIVE&limit=1000&detail=false"
-        self._poll(
-            lambda: self.api(alive)["data"]["result"]["total"] >= n,
-            timeout_s,
-            f"only some of {n} emulated nodes joined",
+
+        def ready() -> bool:
+            total = self.api(alive)["data"]["result"]["total"]
+            return total == n if exactly else total >= n
+
+        failure = (
+            f"the emulated nodes alive did not come back to {n}"
+            if exactly
+            else f"only some of {n} emulated nodes joined"
         )
+        self._poll(ready, timeout_s, failure)
 
     def _check_alive(self) -> None:
         for proc in self._procs:
@@ -378,9 +410,10 @@ class EmulatedCluster:
 
 
 def start_retrying(devices: Mapping[str, int], *, attempts: int = 3, on_retry=print, **options) -> EmulatedCluster:
-    """A started ``EmulatedCluster(devices, **options)``; on a loaded shared host a raylet can miss Ray's
-    registration deadline, so a failed start is retried with a fresh cluster (fresh ports, fresh processes) up
-    to ``attempts`` times, ``on_retry`` getting each failure's line."""
+    """A started ``EmulatedCluster(devices, **options)``; a failed start (the head's, or a node's on every one of
+    ``add_node``'s tries) is retried with a fresh cluster (fresh ports, token and processes) up to ``attempts``
+    times, ``on_retry`` getting each failure's line. Only for a process that has not yet set its environment
+    from a cluster's ``env``: the retry's differs."""
     if attempts < 1:
         raise ValueError(f"attempts: {attempts}; use at least 1")
     for attempt in range(attempts):
