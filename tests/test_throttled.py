@@ -30,7 +30,7 @@ from cluster_jobs import (
 
 from hetero_ray.cluster.catalog import load_catalog
 from hetero_ray.cluster.cpu_slices import COMM_THREAD_PREFIXES, RESERVED_CORES, check_shares
-from hetero_ray.cluster.emulation import EmulatedCluster
+from hetero_ray.cluster.emulation import GPU_TYPE_LABEL, EmulatedCluster
 from hetero_ray.config import ConfigError, parse_config
 from hetero_ray.perf import history
 from hetero_ray.perf.footprint import measure_footprint
@@ -400,7 +400,7 @@ class _NodeStartFails(EmulatedCluster):
     def _ray_start(self, *args, log, env=None):
         if log.startswith("node0-V100-16GB") and self.failing:
             self.failing -= 1
-            args = (*args, "--labels=hetero-ray/gpu-type=not a label")
+            args = (*args, f"--labels={GPU_TYPE_LABEL}=not a label")
         return super()._ray_start(*args, log=log, env=env)
 
 
@@ -410,7 +410,7 @@ def test_a_node_whose_ray_start_fails_is_started_again():
         assert "not a valid string of key-value pairs" in (c.workdir / "node0-V100-16GB.log").read_text()
         assert (c.workdir / "node0-V100-16GB-try2.log").exists()
         nodes = c.api("/api/v0/nodes?detail=true&limit=100")["data"]["result"]["result"]
-        alive = sorted(n["labels"].get("hetero-ray/gpu-type", "head") for n in nodes if n["state"] == "ALIVE")
+        alive = sorted(n["labels"].get(GPU_TYPE_LABEL, "head") for n in nodes if n["state"] == "ALIVE")
         assert alive == ["V100-16GB", "head"], nodes
         assert len(_raylets_of(str(c.workdir))) == 2 and len(c.metrics_ports) == 2 and len(c.cgroups) == 1
 
