@@ -189,10 +189,13 @@ def test_a_lost_node_is_replanned_around_and_the_run_grows_back_when_it_returns(
     try:
         saved, _ = wait_for_checkpoint(cluster, job_id, run_dir)
         workers = train_worker_pids(cluster)
+        endpoints = cluster.metrics_ports
         cluster.kill_node("A100-80GB")
         try:
             # A lost machine takes its workers with it at once: at most the V100s' two are left.
             assert len([pid for pid in workers if running(pid)]) <= 2
+            # And its metrics endpoint: the cluster names only live raylets' for scraping.
+            assert len(cluster.metrics_ports) == len(endpoints) - 1 and set(cluster.metrics_ports) < set(endpoints)
             # The first checkpoint after the loss may still be the four devices' (one their last step was
             # persisting when the node went); the run must then go on to checkpoint on a plan of the V100s alone.
             degraded_step, degraded = wait_for_checkpoint(

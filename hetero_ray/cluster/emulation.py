@@ -103,9 +103,8 @@ class EmulatedCluster:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hetero-ray-emulated-")))
     port: int = field(init=False)
     dashboard_port: int = field(init=False)
-    # Each raylet's Prometheus endpoint (http://127.0.0.1:<port>/metrics), head first.
-    metrics_ports: list[int] = field(default_factory=list, init=False)
     _procs: list[subprocess.Popen] = field(default_factory=list, init=False, repr=False)
+    _metrics_port: dict[subprocess.Popen, int] = field(default_factory=dict, init=False, repr=False)
     _nodes: list[tuple[str, subprocess.Popen]] = field(default_factory=list, init=False, repr=False)
     _ports_taken: set[int] = field(default_factory=set, init=False, repr=False)
     _slices: CpuSlices | None = field(default=None, init=False, repr=False)
@@ -125,6 +124,12 @@ class EmulatedCluster:
     def cgroups(self) -> list[Path]:
         """The device cgroups this cluster made and has not removed yet."""
         return list(self._slices.paths.values()) if self._slices else []
+
+    @property
+    def metrics_ports(self) -> list[int]:
+        """Each live raylet's Prometheus endpoint (http://127.0.0.1:<port>/metrics), head first: a killed node's
+        or a failed try's is gone with it."""
+        return [self._metrics_port[proc] for proc in self._procs]
 
     @property
     def address(self) -> str:
@@ -157,7 +162,6 @@ class EmulatedCluster:
             "runtime-env-agent-port",
         )
         chosen = dict(zip(flags, _free_ports(len(flags), self._ports_taken), strict=True))
-        self.metrics_ports.append(chosen["metrics-export-port"])
         ports = [f"--{flag}={port}" for flag, port in chosen.items()]
         out = open(self.workdir / f"{log}.log", "wb")
         proc = subprocess.Popen(
@@ -178,6 +182,7 @@ class EmulatedCluster:
             start_new_session=True,
         )
         self._procs.append(proc)
+        self._metrics_port[proc] = chosen["metrics-export-port"]
         return proc
 
     def start(self, timeout_s: float = 120) -> EmulatedCluster:
@@ -257,7 +262,6 @@ class EmulatedCluster:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         self._procs.remove(proc)
-        self.metrics_ports.pop()
 
     def set_cpu_share(self, gpu_type: str, index: int, share: float) -> None:
         """Throttled devices: give the ``index``-th device of ``gpu_type`` (in node order) ``share`` of a core."""
