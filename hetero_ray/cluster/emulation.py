@@ -248,7 +248,7 @@ class EmulatedCluster:
             except RuntimeError:
                 if proc.poll() is None or attempt == attempts:
                     raise  # another process died, or this node failed every try
-                self._drop_last(proc)
+                self._drop_failed_start(proc)
                 # A raylet that registered late stays alive in the GCS until its health checks fail: wait for
                 # that, or it would count as the next try's node.
                 self._wait_for_nodes(joined - 1, timeout_s, exactly=True)
@@ -256,9 +256,9 @@ class EmulatedCluster:
             self._nodes.append((gpu_type, proc))
             return
 
-    def _drop_last(self, proc: subprocess.Popen) -> None:
-        """Forget ``proc``, the last `ray start` begun, which exited, after killing what it left in its process
-        group (a raylet)."""
+    def _drop_failed_start(self, proc: subprocess.Popen) -> None:
+        """Forget ``proc``, a `ray start` that exited, after killing what it left in its process group (a
+        raylet); its metrics port goes with it."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         self._procs.remove(proc)
